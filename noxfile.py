@@ -1,0 +1,160 @@
+"""Ember's developer and CI sessions: per-package tests and benchmarks, e2e, lint, build."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+import shutil
+import tempfile
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests", "e2e", "build"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
+# Packages whose tests build tiny Hugging Face models through the private `testing` helper.
+USES_TEST_MODELS = {"worker", "spec-decode", "server"}
+STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
+
+
+def _pyproject(folder: pathlib.Path) -> dict:
+    return nox.project.load_toml(folder / "pyproject.toml")
+
+
+DIST_TO_FOLDER = {_pyproject(PACKAGES_DIR / p)["project"]["name"]: p for p in PACKAGES}
+
+
+def _local_closure(package: str) -> list[str]:
+    """The package and every Ember package it depends on, dependencies first."""
+    order: list[str] = []
+
+    def visit(folder: str) -> None:
+        if folder in order:
+            return
+        for dep in _pyproject(PACKAGES_DIR / folder)["project"]["dependencies"]:
+            name = dep.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+            if name in DIST_TO_FOLDER:
+                visit(DIST_TO_FOLDER[name])
+        order.append(folder)
+
+    visit(package)
+    return order
+
+
+def _pin_local_cpu_torch(session: nox.Session) -> None:
+    """Keep uv from resolving a CUDA torch on a CPU machine.
+
+    Where pip's find-links (``PIP_FIND_LINKS``) hold a local ``torch-*+cpu`` wheel, uv is pointed at
+    those folders and constrained to that exact build. Elsewhere (a GPU machine) torch resolves as
+    usual. Nothing machine-specific is committed: the constraints file is written under ``.nox/``.
+    """
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    wheels = sorted(w for d in links for w in glob.glob(os.path.join(d, "torch-*+cpu-*.whl")))
+    if not wheels:
+        return
+    version = pathlib.Path(wheels[-1]).name.split("-")[1]
+    constraints = ROOT / ".nox" / "torch-constraints.txt"
+    constraints.parent.mkdir(exist_ok=True)
+    constraints.write_text(f"torch=={version}\n")
+    session.env["UV_FIND_LINKS"] = " ".join(links)
+    session.env["UV_CONSTRAINT"] = str(constraints)
+
+
+def _install_package(session: nox.Session, package: str, *extra: str) -> None:
+    _pin_local_cpu_torch(session)
+    folder = PACKAGES_DIR / package
+    groups = nox.project.dependency_groups(_pyproject(folder), "test")
+    editable = [arg for dep in _local_closure(package) for arg in ("-e", str(PACKAGES_DIR / dep))]
+    if package in USES_TEST_MODELS:
+        editable += ["-e", str(ROOT / "testing")]
+    session.install(*editable, *groups, *extra)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's default (not slow) tests."""
+    test_dir = PACKAGES_DIR / package / "tests"
+    if not glob.glob(str(test_dir / "**" / "test_*.py"), recursive=True):
+        session.skip(f"{package} has no tests yet")
+    _install_package(session, package)
+    session.run("pytest", str(test_dir), *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def slow(session: nox.Session, package: str) -> None:
+    """Run one package's slow-marked tests (wider sweeps)."""
+    test_dir = PACKAGES_DIR / package / "tests"
+    _install_package(session, package)
+    session.run("pytest", str(test_dir), "-m", "slow", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def benchmarks(session: nox.Session, package: str) -> None:
+    """Run every ``benchmarks/bench_*.py`` script of one package."""
+    scripts = sorted(glob.glob(str(PACKAGES_DIR / package / "benchmarks" / "bench_*.py")))
+    if not scripts:
+        session.skip(f"{package} has no benchmarks yet")
+    _install_package(session, package)
+    for script in scripts:
+        session.run("python", script, *session.posargs)
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """Cross-package tests in the root ``tests/`` folder, against the whole stack."""
+    _pin_local_cpu_torch(session)
+    editable = [a for p in PACKAGES for a in ("-e", str(PACKAGES_DIR / p))]
+    groups = nox.project.dependency_groups(_pyproject(ROOT), "test")
+    session.install(*editable, "-e", str(ROOT), "-e", str(ROOT / "testing"), *groups)
+    session.run("pytest", str(ROOT / "tests"), *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Build every wheel with uv, then prove kv-cache and attention-kernels install alone."""
+    _pin_local_cpu_torch(session)
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for folder in [*(PACKAGES_DIR / p for p in PACKAGES), ROOT]:
+        session.run("uv", "build", "--wheel", "--out-dir", str(dist), str(folder))
+    wheels = sorted(pathlib.Path(w).name for w in glob.glob(str(dist / "*.whl")))
+    session.log(f"{len(wheels)} wheels: {', '.join(wheels)}")
+    if len(wheels) != len(PACKAGES) + 1:
+        session.error(f"expected {len(PACKAGES) + 1} wheels, got {len(wheels)}")
+    for package, module in STANDALONE.items():
+        wheel = [w for w in glob.glob(str(dist / "*.whl")) if _wheel_dist(w) == package]
+        with tempfile.TemporaryDirectory() as venv:
+            python = os.path.join(venv, "bin", "python")
+            session.run("uv", "venv", "--quiet", venv)
+            session.run("uv", "pip", "install", "--quiet", "--python", python, *wheel)
+            check = (
+                f"import importlib.util, {module}; "
+                f"print('{module}', {module}.__version__, 'torch present:', "
+                "importlib.util.find_spec('torch') is not None)"
+            )
+            if package == "kv-cache":
+                check += (
+                    "; assert importlib.util.find_spec('torch') is None, 'kv-cache pulled torch'"
+                )
+            session.run(python, "-c", check)
+
+
+def _wheel_dist(path: str) -> str:
+    """Package folder name of a built wheel file (``ember_kv_cache-0.1.0-...`` -> ``kv-cache``)."""
+    dist = pathlib.Path(path).name.split("-")[0].replace("_", "-")
+    return DIST_TO_FOLDER.get(dist, dist)

@@ -1,0 +1,3 @@
+"""Continuous-batching scheduler, requests and engine core of Ember."""
+
+__version__ = "0.1.0"

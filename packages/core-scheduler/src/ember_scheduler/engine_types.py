@@ -1,0 +1,71 @@
+"""Messages between a front end and the engine core (msgspec msgpack on the wire; never pickle)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from ember_scheduler.outputs import Logprobs
+from ember_scheduler.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; ``str()`` gives the OpenAI API's word."""
+
+    STOP = 0  # EOS, a stop token id, or a stop string
+    LENGTH = 1  # max_tokens or the model's context length
+    ABORT = 2  # cancelled by the client or the front end
+    IGNORED = 3  # can never be served (prompt longer than max_model_len)
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "ignored")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized request as the front end hands it to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What changed for one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id (or string, set by the front end)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Gauges and counters since the previous step, for metrics."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's outputs for every request that changed."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    error: str | None = None  # set when the engine core failed; the front end fails all requests

@@ -1,0 +1,97 @@
+"""What the scheduler hands the executor each step, and what the executor hands back.
+
+``SchedulerOutput`` is a diff, as in vLLM v1: a request is sent in full once (``NewRequestData``),
+then only as changes (``CachedRequestData``). The worker keeps each request's state (its tokens,
+including the tokens it sampled itself) in a persistent batch. A request preempted by recompute is
+dropped by the worker (``preempted_req_ids``) and, when resumed, sent again as a new request with
+its output tokens so far.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from ember_scheduler.sampling_params import SamplingParams
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a run of tokens, one row per token.
+
+    Row ``i``: ``token_ids[i][0]`` is the token actually chosen (sampled, or the prompt's next
+    token), followed by the top-N alternatives in descending order; ``logprobs[i]`` aligns with it;
+    ``ranks[i]`` is the chosen token's rank (1 = most likely) in the full distribution.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def extend(self, other: Logprobs) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (or has dropped after preemption), in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Running requests the worker already holds, as parallel columns of changes."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # appended this step
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    """One step's work: which requests run, how many tokens each, and what changed."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    num_common_prefix_blocks: int = 0
+    finished_req_ids: set[str] = msgspec.field(default_factory=set)  # worker drops these
+    preempted_req_ids: set[str] = msgspec.field(default_factory=set)  # and these
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    """Sampled tokens per scheduled request (``[]`` for a request still in prefill).
+
+    With speculative decoding ``sampled_token_ids[i]`` holds the accepted draft tokens plus one
+    bonus token, and ``spec_token_ids[i]`` the proposals for the next step.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: Logprobs | None = None  # one row per sampled token, in req_ids order
+    prompt_logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
+
+
+class Executor(Protocol):
+    """What the engine core drives: owns the workers, the model and the KV cache tensors."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks the KV cache tensors hold, sized from the memory budget at start-up."""
+        ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...

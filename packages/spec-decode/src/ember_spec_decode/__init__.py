@@ -1,0 +1,3 @@
+"""Speculative decoding proposers and rejection sampler for Ember."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,179 @@
+"""Tiny random-weight Hugging Face models with a real, offline-trained tokenizer.
+
+Every model is written as a genuine HF folder (config.json, safetensors, generation_config.json,
+tokenizer.json with a chat template) so that engines load it through their real loading code.
+Folders are cached under ``EMBER_TEST_MODELS_DIR`` (default: a folder in the system temp dir),
+keyed by a digest of everything that determines their content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+FACTORY_VERSION = 1
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Text outside ASCII, so that byte-level merges cover multi-byte characters too.
+UNICODE_SAMPLE = (
+    "Grüße aus Köln, naïve café, São Paulo, Ελληνικά, русский язык, 日本語のテキスト, "
+    "中文字符, 한국어, emoji 🙂🔥🚀 and math ∑ ∫ √ ≤ ≥ ≠ π."
+)
+# Stdlib modules whose source is the tokenizer's training text: it ships with every Python.
+CORPUS_MODULES = ("textwrap", "difflib", "argparse", "string", "json.decoder", "calendar")
+
+_BASE = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    # Llama 3 rope scaling, with an original context short enough that it changes frequencies.
+    "llama": dict(
+        tie_word_embeddings=False,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
+    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=False),  # qkv bias is built in
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # q/k norm is built in
+}
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("EMBER_TEST_MODELS_DIR")
+    path = pathlib.Path(root) if root else pathlib.Path(tempfile.gettempdir()) / "ember-test-models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _corpus() -> list[str]:
+    import importlib
+    import inspect
+
+    texts = [inspect.getsource(importlib.import_module(name)) for name in CORPUS_MODULES]
+    return [*texts, UNICODE_SAMPLE * 20]
+
+
+def _digest(spec: dict[str, Any]) -> str:
+    blob = json.dumps(spec, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _write_atomically(target: pathlib.Path, write) -> pathlib.Path:
+    """Write a folder through ``write(tmp_dir)`` and move it into place in one rename."""
+    if target.is_dir():
+        return target
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process got there first; its folder is identical
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _train_tokenizer(out: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    bos_id = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=_BASE["max_position_embeddings"],
+    )
+    fast.save_pretrained(out)
+
+
+def tokenizer_path() -> pathlib.Path:
+    """Folder holding the shared offline-trained byte-level BPE tokenizer."""
+    spec = dict(v=FACTORY_VERSION, corpus=CORPUS_MODULES, py=sys.version_info[:2], vocab=VOCAB_SIZE)
+    return _write_atomically(cache_dir() / f"tokenizer-{_digest(spec)}", _train_tokenizer)
+
+
+def model_config(arch: str, **overrides: Any):
+    """The transformers config of a tiny model of ``arch`` with ``overrides`` applied."""
+    from transformers import AutoConfig
+
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    return AutoConfig.for_model(arch, **{**_BASE, **ARCH_CONFIGS[arch], **overrides})
+
+
+def tiny_model_path(
+    arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> pathlib.Path:
+    """Path of a cached tiny float32 model of ``arch``, written on first use.
+
+    ``overrides`` change config fields (sizes, rope scaling, ...); ``max_shard_size`` (e.g.
+    ``"200KB"``) splits the weights into several safetensors files with an index.
+    """
+    config = model_config(arch, **overrides)
+    tokenizer = tokenizer_path()
+    spec = dict(
+        v=FACTORY_VERSION, arch=arch, seed=seed, shard=max_shard_size, config=config.to_dict()
+    )
+    spec["config"].pop("transformers_version", None)
+
+    def write(out: pathlib.Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config.do_sample = False
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
+        for item in tokenizer.iterdir():
+            shutil.copy2(item, out / item.name)
+
+    return _write_atomically(cache_dir() / f"{arch}-{_digest(spec)}", write)
