@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
 # Packages whose tests build tiny Hugging Face models through the private `testing` helper.
-USES_TEST_MODELS = {"worker", "spec-decode", "server"}
+USES_TEST_MODELS = {"worker", "server"}
 STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
 
 

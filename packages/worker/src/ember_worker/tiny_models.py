@@ -1,9 +1,10 @@
 """Tiny random-weight Hugging Face models with a real, offline-trained tokenizer.
 
-Every model is written as a genuine HF folder (config.json, safetensors, generation_config.json,
-tokenizer.json with a chat template) so that engines load it through their real loading code.
-Folders are cached under ``EMBER_TEST_MODELS_DIR`` (default: a folder in the system temp dir),
-keyed by a digest of everything that determines their content.
+Used by the tests of every package and by ``ember serve``'s built-in demo model. Every model is
+written as a genuine HF folder (config.json, safetensors, generation_config.json, tokenizer.json
+with a chat template), so it loads through the real loading code of any engine. Folders are cached
+under ``EMBER_TINY_MODELS_DIR`` (default: ``ember-tiny-models`` in the system temp dir), keyed by a
+digest of everything that determines their content.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("EMBER_TEST_MODELS_DIR")
-    path = pathlib.Path(root) if root else pathlib.Path(tempfile.gettempdir()) / "ember-test-models"
+    root = os.environ.get("EMBER_TINY_MODELS_DIR")
+    path = pathlib.Path(root) if root else pathlib.Path(tempfile.gettempdir()) / "ember-tiny-models"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
