@@ -1,0 +1,104 @@
+"""Errors in the OpenAI error format, and the handlers that turn every failure into one.
+
+Bad input is always a 4xx with ``{"error": {"message", "type", "param", "code"}}``: malformed
+JSON and wrongly typed or missing fields (400), a bad API key (401), an unknown model or route
+(404). A dead engine is a 503. Only a bug in Ember itself is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember_server.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+# SamplingParams and the engine name the offending field as "SamplingParams.<field> ...".
+_FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+
+
+class OpenAIError(Exception):
+    """A failure to report to the client with an HTTP status and, where known, the field."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> ErrorResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    body = error_body(message, status, param)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def from_value_error(exc: ValueError) -> OpenAIError:
+    """A 400 for bad values found after parsing (sampling ranges, prompt length, ...)."""
+    message = str(exc)
+    match = _FIELD_IN_MESSAGE.search(message)
+    return OpenAIError(message, 400, match.group(1) if match else None)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (and the first field) from FastAPI's validation errors."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return f"Malformed JSON body: {detail}".rstrip(": "), None
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        # Union members appear in the location as type names ("str", "list[int]"): drop them.
+        fields = [p for p in loc if not re.fullmatch(r"[a-z_]+\[.*\]|str|int|float|bool", p)]
+        field = ".".join(fields)
+        if param is None and field:
+            param = field
+        message = err.get("msg", "invalid value")
+        if err.get("type") == "missing" and not field:
+            message = "a JSON object body is required"
+        parts.append(f"{field}: {message}" if field else message)
+    unique = list(dict.fromkeys(parts))
+    return "; ".join(unique) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception raised while serving to an OpenAI-format error response."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's detail defaults to the status phrase ("Not Found").
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        return error_response(f"internal server error: {type(exc).__name__}", 500)

@@ -1,0 +1,388 @@
+"""Request and response models of the OpenAI API, with its field names and vLLM's extra fields.
+
+Requests are validated strictly (a string is not an integer, ``true`` is not a number) so that a
+wrongly typed field is a 400 naming the field, never a silent coercion. Unknown fields are accepted
+and ignored, as OpenAI clients send fields a server may not know; ``ignored_fields`` lists them.
+Range checks of sampling values live in ``ember_scheduler.SamplingParams`` (one source of truth);
+``to_sampling_params`` raises its ValueError, which the server answers with a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ember_scheduler.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIRequest(BaseModel):
+    """Base of request models: strict types, unknown fields kept aside and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class OpenAIResponse(BaseModel):
+    """Base of response models."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(OpenAIRequest):
+    """``stream_options`` of a streaming request."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(OpenAIRequest):
+    """Sampling fields shared by completions and chat completions (OpenAI's and vLLM's)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts as a list: texts or token id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class TextContentPart(OpenAIRequest):
+    """A text part of a message's content list."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIRequest):
+    """One message of a chat; content parts other than text are not supported."""
+
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(OpenAIRequest):
+    """``response_format``: only plain text is supported."""
+
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeCompletionRequest(OpenAIRequest):
+    """Body of ``POST /tokenize`` for a plain prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIRequest):
+    """Body of ``POST /tokenize`` for chat messages, rendered through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(OpenAIRequest):
+    """Body of ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(OpenAIResponse):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIResponse):
+    prompt: str
+
+
+class UsageInfo(OpenAIResponse):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(OpenAIResponse):
+    """Logprobs of a completion choice, in the legacy completions layout."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIResponse):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(OpenAIResponse):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIResponse):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIResponse):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIResponse):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIResponse):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIResponse):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIResponse):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ember"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIResponse):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(OpenAIResponse):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIResponse):
+    error: ErrorInfo
