@@ -1,0 +1,125 @@
+"""Engine settings shared by the offline ``LLM``, ``AsyncLLM`` and the ``ember`` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BYTE_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1048576"`` -> bytes (decimal K/M/G, binary Ki/Mi/Gi; 'B' optional)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", text.lower())
+    if match is None:
+        raise ValueError(
+            f"kv_cache_memory must be a byte count such as 536870912 or 512MiB, got {text!r}"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2) or ""])
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Everything needed to build an engine; the fields are the CLI's flags (``--max-model-len``...).
+
+    ``None`` means "derive it": ``max_model_len`` from the model's config,
+    ``max_num_batched_tokens`` from ``max_model_len``, ``kv_cache_memory`` from the worker's
+    default budget, ``tokenizer`` from ``model``, ``served_model_name`` from ``model``.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache tensors
+    enable_prefix_caching: bool = True
+    served_model_name: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError(f"EngineArgs.model must name a model folder, got {self.model!r}")
+        self.model = str(self.model)  # accept os.PathLike
+        if self.tokenizer is not None:
+            self.tokenizer = str(self.tokenizer)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineArgs.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
+        for name in ("max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model (``served_model_name`` or ``model``)."""
+        return self.served_model_name or self.model
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field (``--model``, ``--max-model-len``, ...) to ``parser``."""
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", default=None, help="Hugging Face model folder.")
+        group.add_argument(
+            "--tokenizer", default=None, help="Tokenizer folder (default: the model's)."
+        )
+        group.add_argument("--dtype", default="auto", choices=_DTYPES, help="Weight dtype.")
+        group.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="Context length (prompt + output); default: the model's.",
+        )
+        group.add_argument(
+            "--max-num-seqs", type=int, default=256, help="Most requests in one step."
+        )
+        group.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="Token budget of one step; default: max(max-model-len, 2048).",
+        )
+        group.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+        group.add_argument(
+            "--kv-cache-memory",
+            type=parse_bytes,
+            default=None,
+            help="Bytes for the KV cache, e.g. 536870912 or 512MiB; default: the worker's.",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Reuse the KV of shared prompt prefixes.",
+        )
+        group.add_argument(
+            "--served-model-name", default=None, help="Model name in the API (default: --model)."
+        )
+        group.add_argument("--seed", type=int, default=0, help="Random seed of the engine.")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """Build from a namespace parsed with ``add_cli_args`` (extra attributes are ignored)."""
+        values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)

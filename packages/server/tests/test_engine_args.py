@@ -1,0 +1,65 @@
+import argparse
+
+import pytest
+
+from ember_server.engine_args import EngineArgs, parse_bytes
+
+
+def test_cli_round_trip_sets_every_field():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    namespace = parser.parse_args(
+        [
+            "--model", "/m", "--tokenizer", "/t", "--dtype", "float32", "--max-model-len", "512",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
+            "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
+            "--served-model-name", "tiny", "--seed", "7",
+        ]
+    )  # fmt: skip
+    args = EngineArgs.from_cli_args(namespace)
+    assert args == EngineArgs(
+        model="/m",
+        tokenizer="/t",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        block_size=32,
+        kv_cache_memory=64 * 1024**2,
+        enable_prefix_caching=False,
+        served_model_name="tiny",
+        seed=7,
+    )
+    assert args.model_name == "tiny"
+
+
+def test_defaults_derive_from_model():
+    args = EngineArgs.from_cli_args(
+        EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "/m"])
+    )
+    assert args.enable_prefix_caching is True
+    assert args.model_name == "/m"
+    assert args.max_model_len is None and args.kv_cache_memory is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_num_seqs", 0),
+        ("block_size", -1),
+        ("max_model_len", 0),
+        ("dtype", "int8"),
+        ("model", ""),
+    ],
+)
+def test_bad_values_name_the_field(field, value):
+    kwargs = {"model": "/m", field: value}
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**kwargs)
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("1048576") == 1048576
+    assert parse_bytes("2GiB") == 2 * 1024**3
+    assert parse_bytes("1.5k") == 1500
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_bytes("lots")
