@@ -18,10 +18,11 @@ import sys
 import tempfile
 from typing import Any
 
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB_SIZE = 2048
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+# <|endoftext|> is in the vocabulary because transformers' Qwen2 tokenizer class adds it otherwise.
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
