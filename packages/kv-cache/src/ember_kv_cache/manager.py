@@ -1,0 +1,326 @@
+"""The KV cache manager: per-request block tables on top of the block pool and prefix cache."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ember_kv_cache.block import KVCacheBlock
+from ember_kv_cache.block_pool import BlockPool
+from ember_kv_cache.events import KVCacheEvent
+from ember_kv_cache.hashing import BlockHasher, BlockHashExtras
+from ember_kv_cache.stats import PrefixCacheStats
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """The longest cached prefix found for a request: whole blocks whose KV is already stored.
+
+    Hand it to ``KVCacheManager.allocate_slots`` (as ``computed``) right after the lookup; the
+    manager refuses it with a ValueError if one of its blocks was evicted in between.
+    """
+
+    block_ids: list[int]
+    num_computed_tokens: int
+    blocks: tuple[KVCacheBlock, ...] = field(default=(), repr=False)
+    block_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+
+
+class _RequestBlocks:
+    """One request's block table and the hashes of its full blocks so far."""
+
+    __slots__ = ("block_hashes", "block_ids", "blocks", "capacity", "extras", "hash_boundary")
+
+    def __init__(self, extras: BlockHashExtras | None, hash_boundary: int) -> None:
+        self.blocks: list[KVCacheBlock] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.capacity = 0  # tokens the blocks can hold
+        self.extras = extras
+        # Token count at which the next unhashed block becomes full (never, without caching).
+        self.hash_boundary = hash_boundary
+
+
+class KVCacheManager:
+    """Paged KV memory for many requests, with prefix caching, in request / token / block ids.
+
+    ``num_blocks`` includes the null block (id 0), which is never handed out. ``hash_algo`` is
+    ``"sha256"`` (default), ``"xxhash64"`` or ``"xxhash128"`` (the last two need the ``xxhash``
+    extra); managers with the same ``block_size``, ``hash_algo`` and ``hash_seed`` produce the
+    same block hashes.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: bytes = b"",
+        enable_kv_events: bool = False,
+    ) -> None:
+        self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events
+        )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._stats = PrefixCacheStats()
+        self._first_hash_boundary = block_size if enable_caching else sys.maxsize
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the (non-null) blocks in use by some request."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached free blocks included."""
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    def get_computed_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        extras: BlockHashExtras | None = None,
+    ) -> ComputedBlocks:
+        """The longest cached prefix of ``token_ids`` in whole blocks, leaving at least one token
+        to compute. Takes no references (``allocate_slots`` does) and records prefix-cache
+        statistics."""
+        if extras is not None and not isinstance(extras, BlockHashExtras):
+            raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
+        if not self.enable_caching:
+            return ComputedBlocks([], 0)
+        size = self.block_size
+        cached = self.block_pool.cached_block_hash_to_block
+        hash_block = self.hasher.hash_block
+        blocks: list[KVCacheBlock] = []
+        hashes: list[bytes] = []
+        parent = self.hasher.root_hash
+        for index in range(max(0, (len(token_ids) - 1) // size)):
+            keys = extras.block_extra_keys(index, size) if extras is not None else ()
+            parent = hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
+            block = cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        num_hit_tokens = len(blocks) * size
+        self._stats.record(len(token_ids), num_hit_tokens)
+        return ComputedBlocks(
+            [block.block_id for block in blocks], num_hit_tokens, tuple(blocks), tuple(hashes)
+        )
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        num_computed_tokens: int = 0,
+        computed: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        extras: BlockHashExtras | None = None,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens (plus ``num_lookahead_tokens``
+        speculative slots) and cache every newly full block.
+
+        Returns the ids of the newly allocated blocks (possibly ``[]``), or ``None`` when the
+        pool cannot serve the request, in which case nothing changed.
+        """
+        state = self._requests.get(request_id)
+        # The common path of a running request: its blocks have room and no block fills up.
+        if (
+            state is not None
+            and computed is None
+            and (extras is None or extras is state.extras)
+            and num_computed_tokens >= 0
+            and num_new_tokens >= 0
+            and num_lookahead_tokens >= 0
+            and num_computed_tokens + num_new_tokens + num_lookahead_tokens <= state.capacity
+            and (
+                num_computed_tokens + num_new_tokens < state.hash_boundary
+                or len(token_ids) < state.hash_boundary
+            )
+        ):
+            return []
+        return self._allocate_slots(
+            request_id,
+            state,
+            token_ids,
+            num_new_tokens,
+            num_computed_tokens,
+            computed,
+            num_lookahead_tokens,
+            extras,
+        )
+
+    def _allocate_slots(
+        self,
+        request_id: str,
+        state: _RequestBlocks | None,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        computed: ComputedBlocks | None,
+        num_lookahead_tokens: int,
+        extras: BlockHashExtras | None,
+    ) -> list[int] | None:
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_computed_tokens", num_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+        ):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if extras is not None and not isinstance(extras, BlockHashExtras):
+            raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
+        capacity = state.capacity if state is not None else 0
+        if num_computed_tokens > capacity:
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens} is beyond the {capacity} token slots "
+                f"of request {request_id!r}'s blocks"
+            )
+        hit_blocks: tuple[KVCacheBlock, ...] = ()
+        computed_hashes: tuple[bytes, ...] = ()
+        if computed is not None and computed.blocks:
+            if state is not None:
+                raise ValueError(
+                    f"computed blocks can only be taken over by a new request; "
+                    f"{request_id!r} already holds blocks"
+                )
+            self._check_computed(computed)
+            hit_blocks = computed.blocks
+            computed_hashes = computed.block_hashes
+        if state is not None and extras is not None and extras != state.extras:
+            raise ValueError(f"extras of request {request_id!r} differ from its first allocation")
+
+        size = self.block_size
+        num_total_computed = num_computed_tokens + len(hit_blocks) * size
+        num_required_tokens = num_total_computed + num_new_tokens + num_lookahead_tokens
+        num_required_blocks = -(-num_required_tokens // size)
+        num_held_blocks = len(state.blocks) if state is not None else 0
+        num_new_blocks = max(0, num_required_blocks - num_held_blocks - len(hit_blocks))
+        # Hits on free blocks leave the free queue when touched, so they cannot be allocated.
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+            return None
+
+        # Hash before changing anything, so that bad token ids leave every state untouched.
+        known_hashes = state.block_hashes if state is not None else computed_hashes
+        request_extras = state.extras if state is not None else extras
+        new_full_blocks = []
+        if self.enable_caching:
+            num_full_blocks = min(len(token_ids), num_total_computed + num_new_tokens) // size
+            new_full_blocks = self._hash_new_full_blocks(
+                token_ids, known_hashes, num_full_blocks, request_extras
+            )
+
+        if state is None:
+            state = _RequestBlocks(extras, self._first_hash_boundary)
+            self._requests[request_id] = state
+        if hit_blocks:
+            self.block_pool.touch(hit_blocks)
+            state.blocks.extend(hit_blocks)
+            state.block_ids.extend(computed.block_ids)
+            state.block_hashes.extend(computed_hashes)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        state.blocks.extend(new_blocks)
+        new_block_ids = [block.block_id for block in new_blocks]
+        state.block_ids.extend(new_block_ids)
+        state.capacity = len(state.blocks) * size
+        if self.enable_caching:
+            self._cache_full_blocks(state, new_full_blocks)
+        return new_block_ids
+
+    def _check_computed(self, computed: ComputedBlocks) -> None:
+        if (
+            len(computed.blocks) != len(computed.block_hashes)
+            or len(computed.blocks) != len(computed.block_ids)
+            or computed.num_computed_tokens != len(computed.blocks) * self.block_size
+        ):
+            raise ValueError("computed is not a ComputedBlocks returned by get_computed_blocks")
+        for block, block_hash in zip(computed.blocks, computed.block_hashes):
+            if block.block_hash != block_hash:
+                raise ValueError(
+                    f"computed blocks are stale: block {block.block_id} was evicted since "
+                    "get_computed_blocks; look the prefix up again"
+                )
+
+    def _hash_new_full_blocks(
+        self,
+        token_ids: Sequence[int],
+        known_hashes: Sequence[bytes],
+        num_full_blocks: int,
+        extras: BlockHashExtras | None,
+    ) -> list[tuple[bytes, Sequence[int], tuple]]:
+        """(hash, token ids, extra keys) of each full block past the ``known_hashes``."""
+        size = self.block_size
+        hash_block = self.hasher.hash_block
+        parent = known_hashes[-1] if known_hashes else self.hasher.root_hash
+        new_full_blocks = []
+        for index in range(len(known_hashes), num_full_blocks):
+            keys = extras.block_extra_keys(index, size) if extras is not None else ()
+            tokens = token_ids[index * size : (index + 1) * size]
+            parent = hash_block(parent, tokens, keys)
+            new_full_blocks.append((parent, tokens, keys))
+        return new_full_blocks
+
+    def _cache_full_blocks(
+        self, state: _RequestBlocks, new_full_blocks: list[tuple[bytes, Sequence[int], tuple]]
+    ) -> None:
+        hashes = state.block_hashes
+        cache_full_block = self.block_pool.cache_full_block
+        for block_hash, tokens, keys in new_full_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if index else None
+            cache_full_block(state.blocks[index], block_hash, parent, tokens, keys)
+            hashes.append(block_hash)
+        state.hash_boundary = (len(hashes) + 1) * self.block_size
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, last block first, so that its tail is evicted first."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            raise ValueError(
+                f"cannot free unknown request {request_id!r} (never allocated or already freed)"
+            )
+        self.block_pool.free_blocks(state.blocks[::-1])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table."""
+        return list(self._get_state(request_id).block_ids)
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
+        """How many leading blocks of ``request_id`` every one of the ``num_running_requests``
+        running requests shares (their reference count equals that number)."""
+        num_common = 0
+        for block in self._get_state(request_id).blocks:
+            if block.ref_cnt != num_running_requests:
+                break
+            num_common += 1
+        return num_common
+
+    def _get_state(self, request_id: str) -> _RequestBlocks:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        return state
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; returns ``False`` (and does nothing) while blocks are in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The statistics since the last call; the counters start again from zero."""
+        stats = self._stats
+        self._stats = PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (empty unless ``enable_kv_events``)."""
+        return self.block_pool.take_events()
