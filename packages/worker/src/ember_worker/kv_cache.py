@@ -1,0 +1,72 @@
+"""KV cache tensors sized from a memory budget.
+
+Every layer gets a key and a value tensor ``[num_blocks, block_size, num_kv_heads, head_size]``
+(the ``ember_kernels`` paged layout). All of them are views into one allocation, so the block
+count is decided once, from the budget, and reported to the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one model's KV cache per block."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Key and value bytes of one block across all layers."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        if memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {memory_bytes}")
+        num_blocks = memory_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {memory_bytes} bytes holds no KV block "
+                f"(one block needs {self.bytes_per_block} bytes)"
+            )
+        return num_blocks
+
+
+def kv_cache_budget(
+    device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float
+) -> int:
+    """Bytes for the KV cache: ``kv_cache_memory`` when given (required on the CPU); on a GPU,
+    otherwise, ``gpu_memory_utilization`` of the memory free once the model is loaded."""
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory)
+    if device.type != "cuda":
+        raise ValueError("kv_cache_memory (bytes) is required when the model runs on the CPU")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * gpu_memory_utilization)
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (key_cache, value_cache) pair per layer, zero-filled, from a single allocation."""
+    storage = torch.zeros(
+        spec.num_layers,
+        2,
+        num_blocks,
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        dtype=spec.dtype,
+        device=device,
+    )
+    return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]

@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: tensor-parallel-shaped linear layers, embeddings, attention."""

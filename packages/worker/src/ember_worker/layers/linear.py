@@ -1,0 +1,155 @@
+"""Linear layers shaped for tensor parallelism, as in Megatron-LM and vLLM.
+
+Each layer owns its rank's shard of the weight and a ``weight_loader`` that cuts that shard out of
+a full checkpoint tensor, so a model written with them needs no change when the group grows:
+column-parallel layers split the output features, row-parallel layers split the input features
+and all-reduce their output. Merged layers (q/k/v, gate/up) hold several checkpoint tensors in one
+weight; their loader takes the shard id.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
+
+
+def _empty_parameter(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the output features split across the group (no gather)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size_per_partition = divide(output_size, tp.size, "output size")
+        self.weight = _empty_parameter(self.output_size_per_partition, input_size, dtype=dtype)
+        self.bias = _empty_parameter(self.output_size_per_partition, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        _copy_checked(param.data, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, tp=tp, dtype=dtype)
+        self.shard_sizes = [divide(size, tp.size, "output size") for size in output_sizes]
+
+    def _shard_offset(self, shard_id: int) -> int:
+        return sum(self.shard_sizes[:shard_id])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.shard_sizes[shard_id]
+        target = param.data.narrow(0, self._shard_offset(shard_id), size)
+        _copy_checked(target, loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The query, key and value projections in one matmul, split by attention head.
+
+    Key/value heads are replicated when the group is larger than their number.
+    """
+
+    SHARD_IDS = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_heads = divide(total_num_heads, tp.size, "num_attention_heads")
+        if total_num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp.size, total_num_kv_heads, "tensor_parallel_size")
+        self.head_size = head_size
+        q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        super().__init__(
+            hidden_size,
+            [q_size * tp.size, kv_size * tp.size, kv_size * tp.size],
+            bias,
+            tp=tp,
+            dtype=dtype,
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        index = self.SHARD_IDS.index(shard_id)
+        size = self.shard_sizes[index]
+        rank = self.tp.rank if index == 0 else self.tp.rank // self.kv_replicas
+        target = param.data.narrow(0, self._shard_offset(index), size)
+        _copy_checked(target, loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with the input features split across the group and the output summed."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_partition = divide(input_size, tp.size, "input size")
+        self.weight = _empty_parameter(output_size, self.input_size_per_partition, dtype=dtype)
+        self.bias = _empty_parameter(output_size, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial products are summed.
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split
+            _copy_checked(param.data, loaded)
+            return
+        size = param.shape[1]
+        _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:
+    if target.shape != source.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(source.shape)} does not fit a parameter shard "
+            f"of shape {tuple(target.shape)}"
+        )
+    target.copy_(source)

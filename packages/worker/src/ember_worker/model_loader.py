@@ -1,0 +1,142 @@
+"""Load a Hugging Face checkpoint folder into the decoder.
+
+Weights are read tensor by tensor from memory-mapped safetensors files (one file, or several
+with their ``model.safetensors.index.json``) and copied straight into the model's preallocated
+parameter shards, so peak memory is the model plus one checkpoint tensor, never two full copies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
+from ember_worker.models import DecoderConfig, DecoderForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INDEX_FILE = "model.safetensors.index.json"
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with the configuration it was built from."""
+
+    model: DecoderForCausalLM
+    config: DecoderConfig
+    hf_config: Any
+    generation_config: dict[str, Any]  # generation_config.json, {} if absent
+    dtype: torch.dtype
+    path: pathlib.Path
+
+
+def resolve_model_path(
+    model: str | os.PathLike, *, revision: str | None = None, local_files_only: bool = False
+) -> pathlib.Path:
+    """A local folder as is; otherwise a Hugging Face hub repo id, resolved by ``huggingface_hub``
+    (its local cache first). Raises OSError naming the model when neither works."""
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            str(model), revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
+        )
+    except Exception as cached_error:
+        if local_files_only:
+            raise OSError(
+                f"model {str(model)!r} is not a local folder and not in the Hugging Face cache "
+                f"({type(cached_error).__name__}: {cached_error})"
+            ) from cached_error
+        try:
+            folder = snapshot_download(str(model), revision=revision, allow_patterns=_HUB_FILES)
+        except Exception as error:
+            raise OSError(
+                f"model {str(model)!r} is not a local folder and could not be fetched from the "
+                f"Hugging Face hub ({type(error).__name__}: {error})"
+            ) from error
+    return pathlib.Path(folder)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+    """``"auto"`` takes the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype}")
+        return dtype
+    if dtype == "auto":
+        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(config_dtype, torch.dtype):
+            return config_dtype if config_dtype in DTYPES.values() else torch.float32
+        return DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The checkpoint's safetensors files: those its index names, else every one in the folder."""
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names missing shard files {absent}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    return files
+
+
+def iterate_weights(files: list[pathlib.Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of ``files``, read one at a time from memory maps."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    tp: TensorParallelGroup = SINGLE_RANK,
+    revision: str | None = None,
+) -> LoadedModel:
+    """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model, revision=revision)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model folder)")
+    raw = json.loads(config_file.read_text())
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as error:
+        raise ValueError(
+            f"architecture {raw.get('architectures') or raw.get('model_type')!r} is not "
+            f"supported ({error})"
+        ) from error
+    config = DecoderConfig.from_hf_config(hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config)
+    with torch.device(device):
+        decoder = DecoderForCausalLM(config, tp=tp, dtype=torch_dtype)
+    decoder.load_weights(iterate_weights(safetensors_files(path)))
+    decoder.eval()
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    return LoadedModel(decoder, config, hf_config, generation, torch_dtype, path)

@@ -1,0 +1,106 @@
+"""The decoder's switches, read from a Hugging Face config of a supported architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Architecture name in config.json -> switches that are fixed for that architecture (the rest is
+# read from the config itself).
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Everything the decoder needs to know about a checkpoint's shape and variant."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # HF-style, None for plain RoPE
+    max_position_embeddings: int
+    qkv_bias: bool  # Qwen2, or Llama with attention_bias
+    o_proj_bias: bool  # Llama with attention_bias
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> DecoderConfig:
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architecture {archs or getattr(hf_config, 'model_type', None)!r} is not "
+                f"supported; Ember supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        switches = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        theta, scaling = _rope_parameters(hf_config)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            qkv_bias=switches["qkv_bias"] or attention_bias,
+            o_proj_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=switches["qk_norm"],
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(hf_config),
+        )
+
+
+def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling`` fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    return theta, {**scaling, "rope_type": rope_type}
+
+
+def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Per-layer window: Mistral applies ``sliding_window`` to every layer; Qwen2/3 only to the
+    layers ``layer_types`` marks as sliding, and only with ``use_sliding_window``."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return (None,) * n
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * n
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)

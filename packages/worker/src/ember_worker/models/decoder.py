@@ -1,0 +1,277 @@
+"""One pre-norm decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3.
+
+The architectures differ only in switches of ``DecoderConfig``: q/k/v bias (Qwen2), per-head
+q/k RMSNorm (Qwen3), RoPE scaling (Llama 3), sliding windows (Mistral) and tied embeddings.
+Tokens of all sequences are concatenated into one ``[num_tokens, hidden]`` batch (no padding);
+attention reads and writes the paged KV cache through ``ember_kernels``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+import ember_kernels as ek
+from ember_worker.layers.attention import AttentionMetadata, PagedAttention
+from ember_worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
+from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from ember_worker.models.config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, through ``ember_kernels``."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without ``residual``: the norm of ``x``. With it: (norm of x + residual, x + residual)."""
+        if residual is None:
+            return ek.rms_norm(x, self.weight, self.eps)
+        return ek.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: fused q/k/v projection, optional q/k norm, RoPE, paged attention, o_proj."""
+
+    def __init__(
+        self, config: DecoderConfig, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            tp=tp,
+            dtype=dtype,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            tp=tp,
+            dtype=dtype,
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = ek.RotaryEmbedding(
+            head_dim,
+            head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            is_neox_style=True,
+            rope_scaling=config.rope_scaling,
+            dtype=dtype,
+        )
+        self.attn = PagedAttention(
+            self.num_heads,
+            head_dim,
+            self.num_kv_heads,
+            scale=head_dim**-0.5,
+            sliding_window=config.sliding_windows[layer_index],
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden_states.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, metadata)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
+
+    def __init__(self, config: DecoderConfig, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=config.mlp_bias, tp=tp, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=config.mlp_bias, tp=tp, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ek.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried alongside so norms fuse the addition."""
+
+    def __init__(
+        self, config: DecoderConfig, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_index, tp, dtype)
+        self.mlp = DecoderMLP(config, tp, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: DecoderConfig, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# Checkpoint names of tensors that the decoder holds merged: (suffix, merged param, shard id).
+_MERGED_WEIGHTS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` logits."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, tp, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into this rank's shards; returns the names loaded.
+
+        Raises ValueError naming any checkpoint tensor without a home, or any parameter that no
+        checkpoint tensor filled.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # older checkpoints store RoPE frequencies; they are recomputed
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target, shard = name, None
+            for part, merged, shard_id in _MERGED_WEIGHTS:
+                if part in name:
+                    target, shard = name.replace(part, merged), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is None:
+                _copy_whole(param, tensor, name)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            filled.add(target if shard is None else f"{target}[{shard}]")
+        self._check_all_filled(filled)
+        return filled
+
+    def _check_all_filled(self, filled: set[str]) -> None:
+        missing = []
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                if self.config.tie_word_embeddings and full.startswith("lm_head."):
+                    continue
+                if isinstance(module, QKVParallelLinear):
+                    needed = [f"{full}[{s}]" for s in QKVParallelLinear.SHARD_IDS]
+                elif isinstance(module, MergedColumnParallelLinear):
+                    needed = [f"{full}[{i}]" for i in range(len(module.shard_sizes))]
+                else:
+                    needed = [full]
+                missing += [n for n in needed if n not in filled]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {missing[:8]} ({len(missing)} in all)")
+
+
+def _copy_whole(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)

@@ -1,0 +1,97 @@
+"""The decoder's logits match transformers' for every architecture, through the paged KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
+from ember_worker.model_loader import load_model
+
+BLOCK_SIZE = 4
+
+
+def _metadata(q_lens: list[int], seq_lens: list[int], blocks_per_seq: int) -> AttentionMetadata:
+    """Sequence i owns blocks [i * blocks_per_seq, ...); its new tokens are its last q_len ones."""
+    slots = []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        first = i * blocks_per_seq * BLOCK_SIZE
+        slots += range(first + seq_len - q_len, first + seq_len)
+    table = torch.arange(len(q_lens) * blocks_per_seq, dtype=torch.int32)
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_table=table.view(len(q_lens), blocks_per_seq),
+        query_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _ember_and_hf(path, dtype=torch.float32):
+    loaded = load_model(path, dtype="float32" if dtype == torch.float32 else dtype)
+    c = loaded.config
+    spec = KVCacheSpec(c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
+    bind_kv_cache(loaded.model, allocate_kv_cache(spec, 64, torch.device("cpu")))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return loaded.model, hf
+
+
+def test_prefill_then_decode_logits_match_transformers(tiny_model_any):
+    model, hf = _ember_and_hf(tiny_model_any)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2048, (n,), generator=gen) for n in (7, 19, 1)]
+    with torch.no_grad():
+        expected = [hf(p[None]).logits[0] for p in prompts]
+
+    # Prefill the first len - 2 tokens of each sequence together, then two single-token decodes.
+    heads = [p[: max(len(p) - 2, 1)] for p in prompts]
+    meta = _metadata([len(h) for h in heads], [len(h) for h in heads], blocks_per_seq=8)
+    ids = torch.cat(heads)
+    positions = torch.cat([torch.arange(len(h)) for h in heads])
+    logits = model.compute_logits(model(ids, positions, meta))
+    for got, want in zip(logits.split([len(h) for h in heads]), expected):
+        torch.testing.assert_close(got, want[: len(got)], atol=1e-4, rtol=1e-4)
+
+    done = [len(h) for h in heads]
+    for _ in range(2):
+        live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        meta = _metadata([1] * len(live), [done[i] + 1 for i in live], blocks_per_seq=8)
+        # Each live sequence keeps its own blocks: rebuild the table for just those rows.
+        meta.block_table = torch.stack(
+            [torch.arange(i * 8, i * 8 + 8, dtype=torch.int32) for i in live]
+        )
+        meta.slot_mapping = torch.tensor([i * 8 * BLOCK_SIZE + done[i] for i in live])
+        ids = torch.stack([prompts[i][done[i]] for i in live])
+        positions = torch.tensor([done[i] for i in live])
+        logits = model.compute_logits(model(ids, positions, meta))
+        for row, i in enumerate(live):
+            torch.testing.assert_close(logits[row], expected[i][done[i]], atol=1e-4, rtol=1e-4)
+            done[i] += 1
+
+
+def test_sliding_window_matches_transformers(tiny_model):
+    path = tiny_model("mistral", sliding_window=5)
+    model, hf = _ember_and_hf(path)
+    assert all(layer.self_attn.attn.sliding_window == 5 for layer in model.model.layers)
+    prompt = torch.arange(3, 40)
+    with torch.no_grad():
+        expected = hf(prompt[None]).logits[0]
+    meta = _metadata([len(prompt)], [len(prompt)], blocks_per_seq=16)
+    logits = model.compute_logits(model(prompt, torch.arange(len(prompt)), meta))
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_transformers(tiny_model, dtype):
+    model, hf = _ember_and_hf(tiny_model("qwen3"), dtype)
+    assert model.lm_head.weight.dtype == dtype
+    prompt = torch.arange(3, 20)
+    with torch.no_grad():
+        expected = hf(prompt[None]).logits[0].float()
+    meta = _metadata([len(prompt)], [len(prompt)], blocks_per_seq=8)
+    logits = model.compute_logits(model(prompt, torch.arange(len(prompt)), meta)).float()
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)

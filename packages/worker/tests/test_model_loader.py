@@ -1,0 +1,129 @@
+"""Loading Hugging Face folders: shards, dtypes, tied embeddings, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ember_worker.layers.parallel import TensorParallelGroup
+from ember_worker.model_loader import load_model, resolve_model_path, safetensors_files
+
+
+def _checkpoint(path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in safetensors_files(path):
+        tensors.update(load_file(file))
+    return tensors
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sharded_checkpoint_loads_the_same_weights(tiny_model, arch):
+    sharded = tiny_model(arch, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(safetensors_files(sharded)) > 1
+    one = load_model(tiny_model(arch)).model.state_dict()
+    many = load_model(sharded).model.state_dict()
+    assert one.keys() == many.keys()
+    for name in one:
+        assert torch.equal(one[name], many[name]), name
+
+
+def test_merged_projections_hold_the_checkpoint_tensors(tiny_model):
+    path = tiny_model("qwen2")  # qkv bias, tied embeddings
+    ckpt = _checkpoint(path)
+    loaded = load_model(path)
+    layer = loaded.model.model.layers[1]
+    qkv = torch.cat([ckpt[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    bias = torch.cat([ckpt[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.bias, bias)
+    gate_up = torch.cat([ckpt[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    assert loaded.config.tie_word_embeddings
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    assert loaded.generation_config["eos_token_id"] == 2
+
+
+def test_untied_lm_head_is_its_own_tensor(tiny_model):
+    path = tiny_model("llama")
+    loaded = load_model(path)
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.model.lm_head.weight, _checkpoint(path)["lm_head.weight"])
+    assert loaded.config.rope_scaling["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        ("auto", torch.float32),
+        ("float32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_dtype_selection(tiny_model, dtype, expected):
+    model = load_model(tiny_model("mistral"), dtype=dtype).model
+    assert {p.dtype for p in model.parameters()} == {expected}
+
+
+def test_bad_dtype_is_rejected(tiny_model):
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tiny_model("llama"), dtype="int8")
+
+
+def test_unsupported_architecture_is_named(tiny_model, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_model("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model(folder)
+
+
+def test_unknown_model_type_is_named(tiny_model, tmp_path):
+    folder = tmp_path / "odd"
+    shutil.copytree(tiny_model("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["OddForCausalLM"], model_type="odd-model")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="OddForCausalLM"):
+        load_model(folder)
+
+
+def test_missing_tensor_is_reported(tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_model("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"k\]|qkv_proj"):
+        load_model(folder)
+
+
+def test_name_that_is_no_folder_fails_clearly_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(OSError, match="no-such-org/no-such-model"):
+        resolve_model_path("no-such-org/no-such-model", local_files_only=True)
+
+
+def test_hub_download_failure_names_the_model(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    # A closed local port: the download fails at once, with no network involved.
+    monkeypatch.setattr(hub_constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(OSError, match=r"no-such-org/no-such-model.*could not be fetched"):
+        resolve_model_path("no-such-org/no-such-model")
+
+
+def test_tensor_parallel_is_not_implemented():
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        TensorParallelGroup(rank=0, size=2)
