@@ -1,0 +1,493 @@
+"""The persistent input batch: every running request's state in preallocated numpy rows.
+
+Each request occupies one row. Token ids and block-table rows are 2-D buffers sized once for
+``max_num_reqs × max_model_len`` (and ``× max_blocks_per_req``); everything else about a row (its
+lengths and sampling parameters) lives in one structured array, so moving a row moves all of its
+side state in one numpy assignment. A row's buffers are valid only up to its own lengths
+(``num_tokens`` for tokens, ``num_blocks`` for block ids); moving or swapping rows copies exactly
+that prefix, and nothing reads past it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ember_scheduler.outputs import NewRequestData
+from ember_worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+
+# Everything a row holds besides its token ids and block ids. One record per row, so that a move
+# or swap of a row's side state is a single numpy assignment whatever the number of fields.
+ROW_STATE_DTYPE = np.dtype(
+    [
+        ("num_tokens", np.int32),  # tokens held, speculative draft tokens included
+        ("num_tokens_no_spec", np.int32),  # prompt + output tokens
+        ("num_prompt_tokens", np.int32),
+        ("num_computed_tokens", np.int32),  # tokens whose KV is in the cache
+        ("num_blocks", np.int32),  # valid entries of the block-table row
+        ("num_scheduled_tokens", np.int32),  # of the last prepare_inputs call
+        ("temperature", np.float32),
+        ("top_p", np.float32),
+        ("top_k", np.int32),  # 0: disabled
+        ("min_p", np.float32),
+        ("presence_penalty", np.float32),
+        ("frequency_penalty", np.float32),
+        ("repetition_penalty", np.float32),
+        ("num_logprobs", np.int32),  # -1: none asked
+        ("num_prompt_logprobs", np.int32),  # -1: none asked
+        ("has_seed", np.bool_),
+        ("seed", np.int64),
+    ],
+    align=True,
+)
+
+
+@dataclass
+class ModelInputs:
+    """One step's flattened model inputs, as tensors over the scheduled tokens of every row.
+
+    ``query_start_loc[i]:query_start_loc[i+1]`` are row ``i``'s tokens; ``seq_lens[i]`` is its
+    context length after this step; ``block_table[i, :cdiv(seq_lens[i], block_size)]`` its valid
+    block ids (entries past that are stale and must not be read); ``logits_indices[i]`` the index
+    of its last scheduled token, whose logits are sampled.
+    """
+
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    logits_indices: torch.Tensor  # int64 [num_reqs]
+    max_query_len: int
+    max_seq_len: int
+    num_tokens: int
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class InputBatch:
+    """Persistent, preallocated state of the requests the worker is running (one row each).
+
+    Rows are added at the lowest free row; ``remove_request`` leaves a hole that ``condense``
+    fills by moving rows down from the end. ``prepare_inputs`` requires a condensed batch.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("max_num_reqs", max_num_reqs),
+            ("max_model_len", max_model_len),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
+            ("vocab_size", vocab_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"InputBatch.{name} must be a positive int, got {value!r}")
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_blocks_per_req = _cdiv(max_model_len, block_size)
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+
+        def cpu_buffer(shape, dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        # Row storage. zeros() is lazily backed by the OS, so unused tails cost no memory.
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self._block_table_cpu_t = cpu_buffer((max_num_reqs, self.max_blocks_per_req), torch.int32)
+        self.block_table_cpu = self._block_table_cpu_t.numpy()
+        self.rows = np.zeros(max_num_reqs, dtype=ROW_STATE_DTYPE)
+        self.num_tokens = self.rows["num_tokens"]
+        self.num_tokens_no_spec = self.rows["num_tokens_no_spec"]
+        self.num_prompt_tokens = self.rows["num_prompt_tokens"]
+        self.num_computed_tokens = self.rows["num_computed_tokens"]
+        self.num_blocks = self.rows["num_blocks"]
+
+        self._req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self._num_rows = 0  # rows in use, holes included
+        self._holes: list[int] = []  # min-heap of free rows below _num_rows
+
+        # Step buffers for prepare_inputs.
+        max_tokens = max_num_batched_tokens
+        self._arange = np.arange(max(max_tokens, max_num_reqs) + 1, dtype=np.int64)
+        self._input_ids_t = cpu_buffer(max_tokens, torch.int64)
+        self._positions_t = cpu_buffer(max_tokens, torch.int64)
+        self._slot_mapping_t = cpu_buffer(max_tokens, torch.int64)
+        self._query_start_loc_t = cpu_buffer(max_num_reqs + 1, torch.int32)
+        self._seq_lens_t = cpu_buffer(max_num_reqs, torch.int32)
+        self._logits_indices_t = cpu_buffer(max_num_reqs, torch.int64)
+        self._input_ids_np = self._input_ids_t.numpy()
+        self._positions_np = self._positions_t.numpy()
+        self._slot_mapping_np = self._slot_mapping_t.numpy()
+        self._query_start_loc_np = self._query_start_loc_t.numpy()
+        self._seq_lens_np = self._seq_lens_t.numpy()
+        self._logits_indices_np = self._logits_indices_t.numpy()
+        if self.device.type != "cpu":
+            self._device_buffers = {
+                name: torch.empty_like(getattr(self, name), device=self.device)
+                for name in (
+                    "_input_ids_t",
+                    "_positions_t",
+                    "_slot_mapping_t",
+                    "_query_start_loc_t",
+                    "_seq_lens_t",
+                    "_logits_indices_t",
+                    "_block_table_cpu_t",
+                )
+            }
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    @property
+    def req_ids(self) -> list[str | None]:
+        """Request id of each row in row order (``None`` for a hole until ``condense``)."""
+        return self._req_ids[: self._num_rows]
+
+    def add_request(self, new_req: NewRequestData) -> int:
+        """Store a request (prompt and output tokens, blocks, sampling params); returns its row."""
+        req_id = new_req.req_id
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"NewRequestData.req_id {req_id!r} is already in the batch")
+        if self.num_reqs >= self.max_num_reqs:
+            raise ValueError(
+                f"InputBatch is full ({self.max_num_reqs} requests); cannot add {req_id!r}"
+            )
+        prompt = np.asarray(new_req.prompt_token_ids, dtype=np.int64)
+        output = np.asarray(new_req.output_token_ids, dtype=np.int64)
+        num_prompt, num_tokens = len(prompt), len(prompt) + len(output)
+        if num_prompt == 0:
+            raise ValueError(f"NewRequestData.prompt_token_ids of {req_id!r} is empty")
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"NewRequestData.prompt_token_ids + output_token_ids of {req_id!r} hold "
+                f"{num_tokens} tokens, more than max_model_len {self.max_model_len}"
+            )
+        for field, tokens in (("prompt_token_ids", prompt), ("output_token_ids", output)):
+            if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+                raise ValueError(
+                    f"NewRequestData.{field} of {req_id!r} must lie in [0, {self.vocab_size})"
+                )
+        if len(new_req.block_ids) > self.max_blocks_per_req:
+            raise ValueError(
+                f"NewRequestData.block_ids of {req_id!r} has {len(new_req.block_ids)} blocks, "
+                f"more than {self.max_blocks_per_req} per request"
+            )
+        if not 0 <= new_req.num_computed_tokens <= num_tokens:
+            raise ValueError(
+                f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
+                f"got {new_req.num_computed_tokens}"
+            )
+
+        row = heapq.heappop(self._holes) if self._holes else self._num_rows
+        self._num_rows = max(self._num_rows, row + 1)
+        self._req_ids[row] = req_id
+        self.req_id_to_index[req_id] = row
+
+        self.token_ids_cpu[row, :num_prompt] = prompt
+        self.token_ids_cpu[row, num_prompt:num_tokens] = output
+        num_blocks = len(new_req.block_ids)
+        self.block_table_cpu[row, :num_blocks] = new_req.block_ids
+        params = new_req.sampling_params
+        self.rows[row] = (
+            num_tokens,
+            num_tokens,
+            num_prompt,
+            new_req.num_computed_tokens,
+            num_blocks,
+            0,
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            -1 if params.logprobs is None else params.logprobs,
+            -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+            params.seed is not None,
+            0 if params.seed is None else params.seed,
+        )
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Drop a request, leaving a hole at its row; returns that row (None if not held)."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self._req_ids[row] = None
+        self.rows[row]["num_tokens"] = 0
+        if row == self._num_rows - 1:
+            self._num_rows -= 1
+            self._trim_trailing_holes()
+        else:
+            heapq.heappush(self._holes, row)
+        return row
+
+    def _trim_trailing_holes(self) -> None:
+        while self._num_rows and self._req_ids[self._num_rows - 1] is None:
+            self._num_rows -= 1
+        if self._holes and self._holes[0] >= self._num_rows:
+            self._holes = [h for h in self._holes if h < self._num_rows]
+            heapq.heapify(self._holes)
+
+    def condense(self) -> None:
+        """Fill every hole by moving the last row into it, so rows ``0..num_reqs-1`` are dense."""
+        while self._holes:
+            hole = heapq.heappop(self._holes)
+            if hole >= self._num_rows:
+                continue
+            last = self._num_rows - 1
+            self._move_row(last, hole)
+            self._num_rows -= 1
+            self._trim_trailing_holes()
+
+    def _move_row(self, src: int, dst: int) -> None:
+        n = self.num_tokens[src]
+        self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
+        b = self.num_blocks[src]
+        self.block_table_cpu[dst, :b] = self.block_table_cpu[src, :b]
+        self.rows[dst] = self.rows[src]
+        req_id = self._req_ids[src]
+        self._req_ids[dst] = req_id
+        self._req_ids[src] = None
+        self.req_id_to_index[req_id] = dst
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange two rows (token and block prefixes, side state, ids)."""
+        if not (0 <= i < self._num_rows and 0 <= j < self._num_rows):
+            raise ValueError(f"swap_rows: rows {i} and {j} must be in [0, {self._num_rows})")
+        if i == j:
+            return
+        rows, tokens, blocks = self.rows, self.token_ids_cpu, self.block_table_cpu
+        ni, nj = rows[i]["num_tokens"], rows[j]["num_tokens"]
+        tmp = tokens[i, :ni].copy()
+        tokens[i, :nj] = tokens[j, :nj]
+        tokens[j, :ni] = tmp
+        bi, bj = rows[i]["num_blocks"], rows[j]["num_blocks"]
+        tmp = blocks[i, :bi].copy()
+        blocks[i, :bj] = blocks[j, :bj]
+        blocks[j, :bi] = tmp
+        state_i = rows[i].copy()
+        rows[i] = rows[j]
+        rows[j] = state_i
+        ids = self._req_ids
+        ids[i], ids[j] = ids[j], ids[i]
+        index = self.req_id_to_index
+        if ids[i] is not None:
+            index[ids[i]] = i
+        if ids[j] is not None:
+            index[ids[j]] = j
+        # A hole that moved must be found at its new row.
+        if (ids[i] is None) != (ids[j] is None):
+            self._holes = [h for h in range(self._num_rows) if ids[h] is None]
+            heapq.heapify(self._holes)
+
+    # ------------------------------------------------------------------ per-step updates
+
+    def _row_of(self, req_id: str) -> int:
+        row = self.req_id_to_index.get(req_id)
+        if row is None:
+            raise ValueError(f"req_id {req_id!r} is not in the batch")
+        return row
+
+    def append_block_ids(self, req_id: str, block_ids: list[int]) -> None:
+        """Append newly allocated blocks to a request's block-table row."""
+        row = self._row_of(req_id)
+        start = self.num_blocks[row]
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(
+                f"block_ids: {req_id!r} would hold {end} blocks, more than "
+                f"{self.max_blocks_per_req} per request"
+            )
+        self.block_table_cpu[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def set_num_computed_tokens(self, req_id: str, num_computed_tokens: int) -> None:
+        row = self._row_of(req_id)
+        if not 0 <= num_computed_tokens <= self.num_tokens_no_spec[row]:
+            raise ValueError(
+                f"num_computed_tokens of {req_id!r} must be in "
+                f"[0, {self.num_tokens_no_spec[row]}], got {num_computed_tokens}"
+            )
+        self.num_computed_tokens[row] = num_computed_tokens
+
+    # ------------------------------------------------------------------ step inputs
+
+    def prepare_inputs(
+        self,
+        num_scheduled_tokens: np.ndarray,
+        spec_decode_tokens: dict[str, list[int]] | None = None,
+    ) -> ModelInputs:
+        """Flatten this step's scheduled tokens of rows ``0..num_reqs-1`` into model inputs.
+
+        ``num_scheduled_tokens[i]`` counts row ``i``'s tokens this step (its draft tokens
+        included); a row may be scheduled for 0 tokens, in which case its logits index is a
+        placeholder and ``append_sampled_tokens`` gives it nothing.
+        """
+        n = self.num_reqs
+        if self._holes or self._num_rows != n:
+            raise ValueError("prepare_inputs needs a condensed batch; call condense() first")
+        num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        if num_sched.shape != (n,):
+            raise ValueError(
+                f"num_scheduled_tokens must have shape ({n},), got {tuple(num_sched.shape)}"
+            )
+        total = int(num_sched.sum())
+        if n == 0 or total == 0 or num_sched.min() < 0:
+            raise ValueError("num_scheduled_tokens must be non-negative with a positive sum")
+        if total > self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_scheduled_tokens sum to {total}, more than max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
+        self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+        if spec_decode_tokens:
+            self._write_spec_tokens(spec_decode_tokens)
+
+        computed = self.num_computed_tokens[:n].astype(np.int64)
+        seq_lens = computed + num_sched
+        if np.any(seq_lens > self.num_tokens[:n]):
+            row = int(np.argmax(seq_lens > self.num_tokens[:n]))
+            raise ValueError(
+                f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
+                f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
+            )
+        if np.any(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n]):
+            row = int(np.argmax(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n]))
+            raise ValueError(
+                f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "
+                f"{seq_lens[row]} tokens"
+            )
+        self.rows["num_scheduled_tokens"][:n] = num_sched
+
+        # Row of each token, and its offset within the row's scheduled run.
+        req_indices = np.repeat(self._arange[:n], num_sched)
+        cu = np.cumsum(num_sched)
+        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        positions = self._positions_np[:total]
+        np.add(computed[req_indices], offsets, out=positions)
+
+        self._input_ids_np[:total] = self.token_ids_cpu.reshape(-1)[
+            req_indices * self.max_model_len + positions
+        ]
+        block_numbers = np.take(
+            self.block_table_cpu.reshape(-1),
+            req_indices * self.max_blocks_per_req + positions // self.block_size,
+        )
+        slot_mapping = self._slot_mapping_np[:total]
+        np.multiply(block_numbers, self.block_size, out=slot_mapping)
+        slot_mapping += positions % self.block_size
+
+        self._query_start_loc_np[0] = 0
+        self._query_start_loc_np[1 : n + 1] = cu
+        self._seq_lens_np[:n] = seq_lens
+        np.maximum(cu - 1, 0, out=self._logits_indices_np[:n])
+
+        def out(name: str, length: int) -> torch.Tensor:
+            cpu = getattr(self, name)[:length]
+            if self.device.type == "cpu":
+                return cpu
+            dev = self._device_buffers[name][:length]
+            dev.copy_(cpu, non_blocking=True)
+            return dev
+
+        return ModelInputs(
+            input_ids=out("_input_ids_t", total),
+            positions=out("_positions_t", total),
+            slot_mapping=out("_slot_mapping_t", total),
+            query_start_loc=out("_query_start_loc_t", n + 1),
+            seq_lens=out("_seq_lens_t", n),
+            block_table=out("_block_table_cpu_t", n),
+            logits_indices=out("_logits_indices_t", n),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_tokens=total,
+        )
+
+    def _write_spec_tokens(self, spec_decode_tokens: dict[str, list[int]]) -> None:
+        for req_id, drafts in spec_decode_tokens.items():
+            if not drafts:
+                continue
+            row = self._row_of(req_id)
+            start = self.num_tokens_no_spec[row]
+            end = start + len(drafts)
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"spec_decode_tokens of {req_id!r} would exceed max_model_len "
+                    f"{self.max_model_len}"
+                )
+            self.token_ids_cpu[row, start:end] = drafts
+            self.num_tokens[row] = end
+
+    def append_sampled_tokens(self, sampled: np.ndarray | list[list[int]]) -> list[list[int]]:
+        """Append each row's new tokens; returns what each row actually received.
+
+        An array gives one token per row (shape ``[num_reqs]`` or ``[num_reqs, 1]``); rows whose
+        last step did not reach the end of their tokens (mid-prefill, or not scheduled) get none.
+        A list of lists gives each row its tokens as is (accepted drafts plus the bonus token).
+        Draft tokens written by ``prepare_inputs`` are dropped either way.
+        """
+        n = self.num_reqs
+        if isinstance(sampled, list):
+            if len(sampled) != n:
+                raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
+            for row, tokens in enumerate(sampled):
+                if tokens:
+                    self._append_row(row, tokens)
+            self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+            return [list(tokens) for tokens in sampled]
+
+        tokens = np.asarray(sampled).reshape(-1)
+        if tokens.shape != (n,):
+            raise ValueError(f"sampled must have {n} rows, got shape {np.shape(sampled)}")
+        state = self.rows[:n]
+        reached_end = (
+            state["num_computed_tokens"] + state["num_scheduled_tokens"]
+            >= state["num_tokens_no_spec"]
+        ) & (state["num_scheduled_tokens"] > 0)
+        rows = np.flatnonzero(reached_end)
+        ends = self.num_tokens_no_spec[rows]
+        if np.any(ends >= self.max_model_len):
+            raise ValueError(f"a request would exceed max_model_len {self.max_model_len}")
+        self.token_ids_cpu[rows, ends] = tokens[rows]
+        self.num_tokens_no_spec[rows] = ends + 1
+        self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+        return [[t] if ok else [] for t, ok in zip(tokens.tolist(), reached_end.tolist())]
+
+    def _append_row(self, row: int, tokens: list[int]) -> None:
+        start = self.num_tokens_no_spec[row]
+        end = start + len(tokens)
+        if end > self.max_model_len:
+            raise ValueError(
+                f"{self._req_ids[row]!r} would exceed max_model_len {self.max_model_len}"
+            )
+        self.token_ids_cpu[row, start:end] = tokens
+        self.num_tokens_no_spec[row] = end
+
+    def sampling_metadata(self) -> SamplingMetadata:
+        """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, as tensors."""
+        if self._holes or self._num_rows != self.num_reqs:
+            raise ValueError("sampling_metadata needs a condensed batch; call condense() first")
+        return build_sampling_metadata(self, self.device)

@@ -1,0 +1,121 @@
+"""The sampler: one token per row from ``[num_reqs, vocab]`` logits, vectorized over the batch.
+
+Order per step (as vLLM v1): logprobs of the raw logits (the model's distribution) for rows that
+asked; penalties; greedy rows take the argmax; the others divide by temperature, then min-p,
+top-k, top-p, and draw by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``, where a
+seeded row's ``E`` comes from ``sampling_random`` and the others' from torch's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember_scheduler.outputs import Logprobs
+from ember_worker.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from ember_worker.sampling_ops import apply_min_p_, apply_penalties_, apply_top_k_top_p
+from ember_worker.sampling_random import seeded_exponential
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled token per row, and logprobs of the rows that asked for them.
+
+    ``logprobs`` row ``i`` belongs to batch row ``logprobs_rows[i]``.
+    """
+
+    sampled_token_ids: torch.Tensor  # int64 [num_reqs]
+    logprobs: Logprobs | None
+    logprobs_rows: list[int]
+
+
+class Sampler:
+    """Samples one token per row under each row's sampling parameters."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+            raise ValueError(
+                f"logits must be [num_reqs={metadata.temperature.shape[0]}, vocab], "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = logits.to(torch.float32)
+        raw_logits = logits
+        if not metadata.no_penalties:
+            logits = apply_penalties_(
+                logits.clone(),
+                metadata.output_token_counts,
+                metadata.prompt_token_mask,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+        sampled = logits.argmax(dim=-1) if metadata.all_greedy else self._sample(logits, metadata)
+
+        logprobs, rows = None, []
+        if metadata.max_num_logprobs is not None:
+            rows = [i for i, n in enumerate(metadata.num_logprobs) if n >= 0]
+            index = torch.tensor(rows, device=logits.device)
+            logprobs = _logprobs_of(
+                raw_logits[index],
+                sampled[index],
+                [metadata.num_logprobs[i] for i in rows],
+            )
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, logprobs_rows=rows)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = metadata.temperature
+        greedy = temperature < GREEDY_TEMPERATURE
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        if metadata.min_p is not None:
+            logits = apply_min_p_(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        if metadata.has_seed is not None:
+            seeded = metadata.has_seed.nonzero().squeeze(1)
+            noise[seeded] = seeded_exponential(
+                metadata.seeds[seeded], metadata.num_output_tokens[seeded], probs.shape[1]
+            )
+        random_ids = probs.div_(noise).argmax(dim=-1)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(greedy, greedy_ids, random_ids)
+
+    @staticmethod
+    def compute_prompt_logprobs(
+        logits: torch.Tensor, target_token_ids: torch.Tensor, num_logprobs: int
+    ) -> Logprobs:
+        """Logprobs of each prompt position's next token (``target_token_ids``) plus the
+        top ``num_logprobs`` alternatives, from ``[n, vocab]`` logits."""
+        if logits.dim() != 2 or target_token_ids.shape != (logits.shape[0],):
+            raise ValueError(
+                f"target_token_ids must be [n] for logits [n, vocab], got "
+                f"{tuple(target_token_ids.shape)} and {tuple(logits.shape)}"
+            )
+        if num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be non-negative, got {num_logprobs}")
+        n = logits.shape[0]
+        return _logprobs_of(logits.to(torch.float32), target_token_ids, [num_logprobs] * n)
+
+
+def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, num_logprobs: list[int]) -> Logprobs:
+    """Chosen token, its rank and the top-N alternatives per row, N varying by row."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = chosen.to(torch.int64)
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    top_n = max(num_logprobs, default=0)
+    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    token_ids = torch.cat([chosen[:, None], top_ids], 1) if top_n else chosen[:, None]
+    values = torch.cat([chosen_logprobs, top_values], 1) if top_n else chosen_logprobs
+    ids_rows, value_rows = token_ids.tolist(), values.tolist()
+    return Logprobs(
+        token_ids=[row[: 1 + k] for row, k in zip(ids_rows, num_logprobs)],
+        logprobs=[row[: 1 + k] for row, k in zip(value_rows, num_logprobs)],
+        ranks=ranks.tolist(),
+    )

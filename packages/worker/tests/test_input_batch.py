@@ -1,0 +1,331 @@
+"""InputBatch: row operations against a plain-Python model, input preparation, padding safety."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ember_scheduler.outputs import NewRequestData
+from ember_scheduler.sampling_params import SamplingParams
+from ember_worker.input_batch import InputBatch
+
+BLOCK = 4
+VOCAB = 1000
+POISON_TOKEN = 2**31 - 1
+POISON_BLOCK = -(2**30)
+
+
+def new_req(req_id, prompt, output=(), blocks=None, computed=0, **params):
+    num_tokens = len(prompt) + len(output)
+    if blocks is None:
+        blocks = list(range(100, 100 + -(-num_tokens // BLOCK)))
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        sampling_params=SamplingParams(**params),
+        block_ids=list(blocks),
+        num_computed_tokens=computed,
+    )
+
+
+def make_batch(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=512):
+    return InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, BLOCK, VOCAB)
+
+
+def poison_padding(batch: InputBatch) -> None:
+    """Overwrite everything past each row's valid prefix (and every free row)."""
+    cols = np.arange(batch.max_model_len)
+    batch.token_ids_cpu[cols[None, :] >= batch.num_tokens[:, None]] = POISON_TOKEN
+    bcols = np.arange(batch.max_blocks_per_req)
+    batch.block_table_cpu[bcols[None, :] >= batch.num_blocks[:, None]] = POISON_BLOCK
+
+
+def row_view(batch: InputBatch, req_id: str):
+    row = batch.req_id_to_index[req_id]
+    assert batch.req_ids[row] == req_id
+    n, b = batch.num_tokens[row], batch.num_blocks[row]
+    return (
+        batch.token_ids_cpu[row, :n].tolist(),
+        batch.block_table_cpu[row, :b].tolist(),
+        int(batch.num_computed_tokens[row]),
+        int(batch.num_prompt_tokens[row]),
+        float(batch.rows[row]["temperature"]),
+    )
+
+
+def check_against(batch: InputBatch, model: dict) -> None:
+    assert batch.num_reqs == len(model)
+    assert set(batch.req_id_to_index) == set(model)
+    for req_id, expected in model.items():
+        assert row_view(batch, req_id) == expected
+
+
+def test_add_then_prepare_inputs_matches_reference():
+    batch = make_batch()
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i, (length, computed) in enumerate([(5, 0), (17, 8), (1, 0), (30, 29)]):
+        prompt = rng.integers(0, VOCAB, length).tolist()
+        blocks = rng.permutation(500)[: -(-length // BLOCK)].tolist()
+        reqs.append((prompt, blocks, computed))
+        batch.add_request(new_req(f"r{i}", prompt, blocks=blocks, computed=computed))
+    poison_padding(batch)
+    num_sched = np.array([len(p) - c for p, _, c in reqs], dtype=np.int32)
+    inputs = batch.prepare_inputs(num_sched)
+
+    ids, pos, slots, last = [], [], [], []
+    for prompt, blocks, computed in reqs:
+        for p in range(computed, len(prompt)):
+            ids.append(prompt[p])
+            pos.append(p)
+            slots.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        last.append(len(ids) - 1)
+    assert inputs.input_ids.tolist() == ids
+    assert inputs.positions.tolist() == pos
+    assert inputs.slot_mapping.dtype == torch.int64
+    assert inputs.slot_mapping.tolist() == slots
+    assert inputs.query_start_loc.tolist() == [0, *np.cumsum(num_sched).tolist()]
+    assert inputs.seq_lens.tolist() == [len(p) for p, _, _ in reqs]
+    assert inputs.logits_indices.tolist() == last
+    assert inputs.max_query_len == 9 and inputs.max_seq_len == 30
+    assert inputs.num_tokens == len(ids)
+    for i, (_, blocks, _) in enumerate(reqs):
+        assert inputs.block_table[i, : len(blocks)].tolist() == blocks
+
+
+def test_remove_leaves_hole_and_condense_moves_last_rows():
+    batch = make_batch()
+    model = {}
+    for i in range(5):
+        req = new_req(f"r{i}", list(range(i * 3 + 1)), temperature=0.1 * i)
+        batch.add_request(req)
+        model[f"r{i}"] = None
+    model = {r: row_view(batch, r) for r in model}
+    assert batch.remove_request("r1") == 1
+    assert batch.remove_request("r3") == 3
+    assert batch.remove_request("missing") is None
+    del model["r1"], model["r3"]
+    assert batch.req_ids == ["r0", None, "r2", None, "r4"]
+    with pytest.raises(ValueError, match="condense"):
+        batch.prepare_inputs(np.ones(3, dtype=np.int32))
+    batch.condense()
+    assert batch.req_ids == ["r0", "r4", "r2"]
+    check_against(batch, model)
+    # A new request takes the lowest free row.
+    batch.remove_request("r0")
+    assert batch.add_request(new_req("r5", [1, 2])) == 0
+
+
+def test_condense_after_removing_the_tail_only_shrinks():
+    batch = make_batch()
+    for i in range(3):
+        batch.add_request(new_req(f"r{i}", [i + 1]))
+    batch.remove_request("r1")
+    batch.remove_request("r2")
+    batch.condense()
+    assert batch.req_ids == ["r0"]
+    assert batch.add_request(new_req("r3", [5])) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_a_plain_model(seed):
+    """Adds, removes, swaps, condenses, appends and step updates, rows of any length (empty
+    after removal, full max_model_len, unequal), checked against a dict after every operation
+    with all padding poisoned, so a read or copy past a valid prefix would show."""
+    rng = random.Random(seed)
+    max_len = 32
+    batch = make_batch(max_num_reqs=6, max_model_len=max_len)
+    model: dict[str, list] = {}
+    next_id = 0
+    for _ in range(120):
+        poison_padding(batch)
+        op = rng.random()
+        if op < 0.3 and batch.num_reqs < batch.max_num_reqs:
+            length = rng.choice([1, max_len, rng.randint(1, max_len)])
+            num_prompt = rng.randint(1, length)
+            tokens = [rng.randrange(VOCAB) for _ in range(length)]
+            blocks = [rng.randrange(10_000) for _ in range(-(-length // BLOCK))]
+            computed = rng.randint(0, length)
+            batch.add_request(
+                new_req(
+                    f"q{next_id}",
+                    tokens[:num_prompt],
+                    tokens[num_prompt:],
+                    blocks,
+                    computed,
+                    temperature=rng.random(),
+                )
+            )
+            model[f"q{next_id}"] = row_view(batch, f"q{next_id}")
+            assert model[f"q{next_id}"][:4] == (tokens, blocks, computed, num_prompt)
+            next_id += 1
+        elif op < 0.5 and model:
+            victim = rng.choice(sorted(model))
+            batch.remove_request(victim)
+            del model[victim]
+        elif op < 0.75 and batch.req_ids:
+            rows = len(batch.req_ids)
+            batch.swap_rows(rng.randrange(rows), rng.randrange(rows))
+        elif op < 0.85:
+            batch.condense()
+            assert None not in batch.req_ids
+        elif model:
+            batch.condense()
+            # One step: every request decodes its remaining tokens and samples one more.
+            num_sched = np.array(
+                [
+                    0 if n == max_len else n - c
+                    for n, c in zip(batch.num_tokens[: batch.num_reqs], batch.num_computed_tokens)
+                ]
+            )
+            if num_sched.sum() == 0:
+                continue
+            inputs = batch.prepare_inputs(num_sched)
+            assert (inputs.input_ids < VOCAB).all() and (inputs.slot_mapping >= 0).all()
+            sampled = np.array([rng.randrange(VOCAB) for _ in range(batch.num_reqs)])
+            appended = batch.append_sampled_tokens(sampled)
+            for row, req_id in enumerate(batch.req_ids):
+                tokens, blocks, _, num_prompt, temp = model[req_id]
+                if appended[row]:
+                    batch.set_num_computed_tokens(req_id, len(tokens))
+                    new_blocks = [] if len(tokens) % BLOCK else [rng.randrange(10_000)]
+                    batch.append_block_ids(req_id, new_blocks)
+                    model[req_id] = (
+                        tokens + appended[row],
+                        blocks + new_blocks,
+                        len(tokens),
+                        num_prompt,
+                        temp,
+                    )
+            batch.condense()
+        check_against(batch, model)
+
+
+def test_swap_with_full_length_rows_and_holes():
+    max_len = 16
+    batch = make_batch(max_num_reqs=4, max_model_len=max_len)
+    batch.add_request(new_req("full", list(range(max_len))))
+    batch.add_request(new_req("gone", [1]))
+    batch.add_request(new_req("short", [7, 8, 9]))
+    batch.remove_request("gone")
+    model = {r: row_view(batch, r) for r in ("full", "short")}
+    poison_padding(batch)
+    batch.swap_rows(0, 1)  # the full row into the hole
+    assert batch.req_ids == [None, "full", "short"]
+    batch.swap_rows(1, 2)
+    check_against(batch, model)
+    # Row 1 received only "short"'s 3 tokens; its stale tail was left as it was.
+    assert batch.token_ids_cpu[1, 3:].tolist() == list(range(3, max_len))
+    batch.condense()
+    assert batch.req_ids == ["full", "short"]
+    check_against(batch, model)
+    with pytest.raises(ValueError, match="swap_rows"):
+        batch.swap_rows(0, 5)
+
+
+def test_moves_copy_only_the_valid_prefix():
+    batch = make_batch(max_num_reqs=4, max_model_len=64)
+    batch.add_request(new_req("a", list(range(1, 11))))
+    batch.add_request(new_req("b", [5, 6, 7]))
+    batch.add_request(new_req("c", list(range(20, 40))))
+    batch.remove_request("a")
+    poison_padding(batch)
+    batch.condense()  # "c" moves from row 2 to row 0
+    assert batch.req_ids == ["c", "b"]
+    assert batch.token_ids_cpu[0, :20].tolist() == list(range(20, 40))
+    assert (batch.token_ids_cpu[0, 20:] == POISON_TOKEN).all()
+    assert (batch.block_table_cpu[0, 5:] == POISON_BLOCK).all()
+
+
+def test_padding_is_never_read():
+    batch = make_batch(max_num_reqs=4, max_model_len=64)
+    batch.add_request(
+        new_req("a", [3, 1, 4, 1, 5], [9, 2], presence_penalty=0.5, temperature=0.7, logprobs=1)
+    )
+    batch.add_request(new_req("b", [2, 7], computed=1, repetition_penalty=1.3))
+    num_sched = np.array([7, 1], dtype=np.int32)
+
+    def snapshot():
+        inputs = batch.prepare_inputs(num_sched)
+        meta = batch.sampling_metadata()
+        valid_blocks = [inputs.block_table[i, : batch.num_blocks[i]].tolist() for i in range(2)]
+        return (
+            [t.clone() for t in (inputs.input_ids, inputs.positions, inputs.slot_mapping)],
+            valid_blocks,
+            meta.output_token_counts.clone(),
+            meta.prompt_token_mask.clone(),
+        )
+
+    clean = snapshot()
+    poison_padding(batch)
+    poisoned = snapshot()
+    for a, b in zip(clean[0], poisoned[0]):
+        assert torch.equal(a, b)
+    assert clean[1] == poisoned[1]
+    assert torch.equal(clean[2], poisoned[2]) and torch.equal(clean[3], poisoned[3])
+
+
+def test_chunked_prefill_rows_get_no_sampled_token():
+    batch = make_batch()
+    batch.add_request(new_req("prefill", list(range(10))))
+    batch.add_request(new_req("decode", [1, 2, 3], computed=2))
+    batch.add_request(new_req("idle", [4, 5], computed=1))
+    batch.prepare_inputs(np.array([4, 1, 0], dtype=np.int32))
+    assert batch.append_sampled_tokens(np.array([11, 12, 13])) == [[], [12], []]
+    assert batch.num_tokens[:3].tolist() == [10, 4, 2]
+    assert batch.token_ids_cpu[1, :4].tolist() == [1, 2, 3, 12]
+
+
+def test_spec_tokens_count_in_the_prefix_and_are_dropped_after_the_step():
+    batch = make_batch()
+    batch.add_request(new_req("x", [1, 2, 3], blocks=[0, 1]))
+    batch.add_request(new_req("y", [4, 5], blocks=[2]))
+    # Prefill; x samples 9 and then proposes drafts 7, 8.
+    batch.prepare_inputs(np.array([3, 2], dtype=np.int32))
+    batch.append_sampled_tokens([[9], [6]])
+    batch.set_num_computed_tokens("x", 3)
+    batch.set_num_computed_tokens("y", 2)
+    inputs = batch.prepare_inputs(np.array([3, 1], dtype=np.int32), {"x": [7, 8]})
+    assert inputs.input_ids.tolist() == [9, 7, 8, 6]
+    assert inputs.positions.tolist() == [3, 4, 5, 2]
+    assert batch.num_tokens[0] == 6 and batch.num_tokens_no_spec[0] == 4
+    batch.swap_rows(0, 1)  # drafts travel with the row
+    assert batch.token_ids_cpu[1, :6].tolist() == [1, 2, 3, 9, 7, 8]
+    batch.swap_rows(0, 1)
+    assert batch.append_sampled_tokens([[7, 10], [11]]) == [[7, 10], [11]]
+    assert batch.token_ids_cpu[0, :6].tolist() == [1, 2, 3, 9, 7, 10]
+    assert batch.num_tokens[:2].tolist() == [6, 4]
+
+
+def test_bad_input_is_rejected_without_changing_state():
+    batch = make_batch(max_num_reqs=2, max_model_len=8)
+    batch.add_request(new_req("a", [1, 2]))
+    before = (batch.rows.copy(), batch.token_ids_cpu.copy(), dict(batch.req_id_to_index))
+    bad = [
+        (new_req("a", [1]), "already"),
+        (new_req("b", list(range(9))), "max_model_len"),
+        (new_req("b", [VOCAB]), "prompt_token_ids"),
+        (new_req("b", []), "empty"),
+        (new_req("b", [1], blocks=[0] * 3), "block_ids"),
+        (new_req("b", [1], computed=2), "num_computed_tokens"),
+    ]
+    for req, match in bad:
+        with pytest.raises(ValueError, match=match):
+            batch.add_request(req)
+    with pytest.raises(ValueError, match="num_scheduled_tokens"):
+        batch.prepare_inputs(np.array([3], dtype=np.int32))
+    with pytest.raises(ValueError, match="shape"):
+        batch.prepare_inputs(np.array([1, 1], dtype=np.int32))
+    with pytest.raises(ValueError, match="block_ids"):
+        batch.append_block_ids("a", [1, 2])
+    with pytest.raises(ValueError, match="not in the batch"):
+        batch.set_num_computed_tokens("zzz", 0)
+    assert (batch.rows == before[0]).all()
+    assert (batch.token_ids_cpu == before[1]).all()
+    assert batch.req_id_to_index == before[2]
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        InputBatch(0, 8, 8, 4, 10)

@@ -1,0 +1,67 @@
+"""Sampler: greedy, logprobs and prompt logprobs against plain torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ember_scheduler.outputs import NewRequestData
+from ember_scheduler.sampling_params import SamplingParams
+from ember_worker.input_batch import InputBatch
+from ember_worker.sampler import Sampler
+
+VOCAB = 50
+
+
+def batch_of(*params: SamplingParams, prompts=None, outputs=None) -> InputBatch:
+    batch = InputBatch(max(len(params), 1), 64, 256, 4, VOCAB)
+    for i, p in enumerate(params):
+        prompt = prompts[i] if prompts else [1, 2, 3]
+        output = outputs[i] if outputs else []
+        blocks = list(range(-(-(len(prompt) + len(output)) // 4)))
+        batch.add_request(NewRequestData(f"r{i}", prompt, output, p, blocks, 0))
+    return batch
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    batch = batch_of(*[SamplingParams(temperature=0.0)] * 3)
+    out = Sampler()(logits, batch.sampling_metadata())
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.logprobs is None and out.logprobs_rows == []
+
+
+def test_logprobs_top_n_chosen_token_and_rank():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    batch = batch_of(
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=0),
+    )
+    out = Sampler()(logits, batch.sampling_metadata())
+    assert out.logprobs_rows == [0, 2]
+    reference = torch.log_softmax(logits.double(), -1)
+    lp = out.logprobs
+    top3 = reference[0].topk(3)
+    assert lp.token_ids[0] == [int(logits[0].argmax()), *top3.indices.tolist()]
+    np.testing.assert_allclose(
+        lp.logprobs[0], [reference[0].max().item(), *top3.values.tolist()], atol=1e-5
+    )
+    assert lp.token_ids[1] == [int(logits[2].argmax())]
+    assert lp.ranks == [1, 1]
+
+
+def test_prompt_logprobs_of_given_targets():
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2))
+    targets = torch.tensor([3, 0, 49, 7, 7])
+    lp = Sampler.compute_prompt_logprobs(logits, targets, 2)
+    reference = torch.log_softmax(logits.double(), -1)
+    for i, t in enumerate(targets.tolist()):
+        assert lp.token_ids[i][0] == t
+        assert lp.token_ids[i][1:] == reference[i].topk(2).indices.tolist()
+        assert abs(lp.logprobs[i][0] - reference[i, t].item()) < 1e-5
+        assert lp.ranks[i] == int((reference[i] > reference[i, t]).sum()) + 1
+    with pytest.raises(ValueError, match="target_token_ids"):
+        Sampler.compute_prompt_logprobs(logits, targets[:2], 2)
