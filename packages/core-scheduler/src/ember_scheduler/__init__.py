@@ -1,3 +1,45 @@
 """Continuous-batching scheduler, requests and engine core of Ember."""
 
+from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.engine_core import EngineCore
+from ember_scheduler.engine_types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from ember_scheduler.outputs import (
+    CachedRequestData,
+    Executor,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from ember_scheduler.request import Request, RequestStatus
+from ember_scheduler.sampling_params import SamplingParams
+from ember_scheduler.scheduler import Scheduler
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CachedRequestData",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "Executor",
+    "FinishReason",
+    "Logprobs",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "__version__",
+]

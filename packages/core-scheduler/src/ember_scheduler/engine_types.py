@@ -45,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id (or string, set by the front end)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    finish_detail: str | None = None  # why, in words, where the reason alone does not say (IGNORED)
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,62 @@
+"""The engine core: a scheduler and an executor, stepped together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ember_kv_cache import KVCacheManager
+from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
+from ember_scheduler.outputs import Executor
+from ember_scheduler.request import Request, RequestStatus
+from ember_scheduler.scheduler import Scheduler
+
+
+class EngineCore:
+    """Owns the scheduler and drives an ``Executor``: ``add_request``, ``abort_requests``,
+    ``step``.
+
+    The KV cache manager is built from the executor's ``num_kv_blocks`` and ``block_size``, so
+    the scheduler hands out exactly the blocks the executor's cache tensors hold. An exception
+    raised by the executor propagates out of ``step()``; the caller (the engine core process)
+    turns it into an ``EngineCoreOutputs.error``.
+    """
+
+    def __init__(self, executor: Executor, scheduler_config: SchedulerConfig | None = None) -> None:
+        self.executor = executor
+        config = scheduler_config if scheduler_config is not None else SchedulerConfig()
+        self.kv_cache_manager = KVCacheManager(
+            executor.num_kv_blocks,
+            executor.block_size,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo,
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        """Queue a request (ValueError on a duplicate id or bad input; nothing changes then)."""
+        if isinstance(request, EngineCoreRequest):
+            request = Request.from_engine_core_request(request)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests as aborted and free their KV blocks now; unknown ids are skipped."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model once, and return what changed (empty when idle)."""
+        scheduler = self.scheduler
+        if not scheduler.running and not scheduler.waiting:
+            return scheduler.take_pending_outputs()
+        scheduler_output = scheduler.schedule()
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        return scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,480 @@
+"""The continuous-batching scheduler: one token budget per step, no prefill or decode phase.
+
+Every step each scheduled request catches its computed tokens up to its known tokens (prompt,
+outputs and draft tokens), running requests first, then waiting ones, under the step's token
+budget (``max_num_batched_tokens``) and ``max_num_seqs``. A long prompt is split across steps
+(chunked prefill). When the KV cache cannot grow a running request, another running request is
+preempted by recompute: its blocks are freed and it goes back to the waiting queue, to be
+resumed later from the prefix cache where its blocks survived.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+from ember_kv_cache import KVCacheManager
+from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.engine_types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
+from ember_scheduler.outputs import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from ember_scheduler.request import Request, RequestStatus
+from ember_scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes.
+
+    ``schedule()`` returns a ``SchedulerOutput`` for the executor; ``update_from_output()`` takes
+    the executor's ``ModelRunnerOutput``, appends sampled tokens, applies stop conditions, frees
+    finished requests and returns the step's ``EngineCoreOutputs``.
+
+    The longest sequence a request may reach is ``max_model_len``, or less where the KV cache
+    pool holds fewer tokens (``max_num_tokens``): a prompt longer than that finishes as IGNORED
+    when added, and a request that reaches it finishes with LENGTH.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        if kv_cache_manager.usage != 0.0:
+            raise ValueError("Scheduler needs a KVCacheManager with every block free")
+        self.num_kv_blocks = kv_cache_manager.num_free_blocks
+        pool_tokens = self.num_kv_blocks * self.block_size
+        self.max_num_tokens = min(config.max_model_len, pool_tokens)
+        self.requests: dict[str, Request] = {}
+        self.waiting = PriorityRequestQueue() if config.policy == "priority" else FCFSRequestQueue()
+        self.running: list[Request] = []
+        # Requests that left the running set since the last schedule(); the worker drops them.
+        self.finished_req_ids: set[str] = set()
+        # Outputs of requests that finished outside a model step (ignored ones).
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that can never fit finishes at once as IGNORED."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(
+                f"request {request.request_id!r} is {request.status.name}, not WAITING"
+            )
+        if request.num_prompt_tokens > self.max_num_tokens:
+            request.set_status(RequestStatus.FINISHED_IGNORED)
+            if request.num_prompt_tokens > self.config.max_model_len:
+                limit = f"max_model_len ({self.config.max_model_len})"
+            else:
+                limit = (
+                    f"the KV cache capacity ({self.num_kv_blocks} blocks of "
+                    f"{self.block_size} tokens)"
+                )
+            request.finish_detail = (
+                f"prompt of {request.num_prompt_tokens} tokens is longer than {limit}"
+            )
+            self._pending_outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    finish_reason=FinishReason.IGNORED,
+                    finish_detail=request.finish_detail,
+                )
+            )
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort); their KV blocks are freed at once.
+
+        Unknown or already finished ids are skipped.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        removed_running: set[Request] = set()
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                removed_running.add(request)
+                self.kv_cache_manager.free(request_id)
+                self.finished_req_ids.add(request_id)
+            else:
+                self.waiting.remove_request(request)
+            request.set_status(status)
+        if removed_running:
+            self.running = [r for r in self.running if r not in removed_running]
+
+    def has_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False (and nothing done) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        allocate_slots = kv.allocate_slots
+        config = self.config
+        token_budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        lookahead = config.num_lookahead_tokens
+        max_num_tokens = self.max_num_tokens
+
+        num_scheduled_tokens: dict[str, int] = {}
+        spec_decode_tokens: dict[str, list[int]] = {}
+        cached_req_ids: list[str] = []
+        cached_new_block_ids: list[list[int]] = []
+        cached_num_computed: list[int] = []
+        new_reqs: list[NewRequestData] = []
+        preempted_req_ids: set[str] = set()
+        unscheduled_victims = False
+
+        running = self.running
+        index = 0
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            req_id = request.request_id
+            num_computed = request.num_computed_tokens
+            token_ids = request.all_token_ids
+            num_known = len(token_ids)
+            spec = request.spec_token_ids
+            num_new = num_known + len(spec) - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_num_tokens - num_computed:
+                num_new = max_num_tokens - num_computed
+            if num_new <= 0:
+                index += 1
+                continue
+            num_lookahead = 0
+            if lookahead:
+                num_lookahead = min(lookahead, max_num_tokens - num_computed - num_new)
+
+            while True:
+                new_block_ids = allocate_slots(
+                    req_id,
+                    token_ids,
+                    num_new,
+                    num_computed_tokens=num_computed,
+                    num_lookahead_tokens=num_lookahead,
+                    extras=request.block_hash_extras,
+                )
+                if new_block_ids is not None:
+                    break
+                victim = self._select_victim()
+                victim_index = running.index(victim) if victim is not running[-1] else -1
+                if victim_index != -1 and victim_index < index:
+                    # Priority policy only: a request scheduled earlier this step gives way.
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    spec_decode_tokens.pop(victim.request_id, None)
+                    unscheduled_victims = True
+                    index -= 1
+                self._preempt(victim, victim_index)
+                preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+
+            cached_req_ids.append(req_id)
+            cached_new_block_ids.append(new_block_ids)
+            cached_num_computed.append(num_computed)
+            num_scheduled_tokens[req_id] = num_new
+            token_budget -= num_new
+            request.num_computed_tokens = num_computed + num_new
+            if spec:
+                num_spec = num_computed + num_new - num_known
+                if num_spec > 0:
+                    spec_decode_tokens[req_id] = spec if num_spec == len(spec) else spec[:num_spec]
+                request.spec_token_ids = []
+            index += 1
+
+        if unscheduled_victims:
+            keep = [i for i, r in enumerate(cached_req_ids) if r in num_scheduled_tokens]
+            cached_req_ids = [cached_req_ids[i] for i in keep]
+            cached_new_block_ids = [cached_new_block_ids[i] for i in keep]
+            cached_num_computed = [cached_num_computed[i] for i in keep]
+
+        # Waiting requests are admitted only in a step that preempted nothing: a preemption
+        # means the cache is full, and admitting would only evict what is about to run.
+        if not preempted_req_ids:
+            token_budget = self._schedule_waiting(token_budget, new_reqs, num_scheduled_tokens)
+
+        num_common_prefix_blocks = 0
+        if self.running:
+            num_common_prefix_blocks = kv.get_num_common_prefix_blocks(
+                self.running[0].request_id, len(self.running)
+            )
+        finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                cached_req_ids, cached_new_block_ids, cached_num_computed
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+
+    def _schedule_waiting(
+        self,
+        token_budget: int,
+        new_reqs: list[NewRequestData],
+        num_scheduled_tokens: dict[str, int],
+    ) -> int:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        kv = self.kv_cache_manager
+        config = self.config
+        waiting = self.waiting
+        running = self.running
+        threshold = config.long_prefill_token_threshold
+        use_cache = config.enable_prefix_caching
+        while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek_request()
+            req_id = request.request_id
+            token_ids = request.all_token_ids
+            extras = request.block_hash_extras
+            computed = None
+            num_computed = 0
+            # Prompt logprobs need logits at every prompt position, so no prefix-cache hits.
+            if use_cache and request.sampling_params.prompt_logprobs is None:
+                computed = kv.get_computed_blocks(req_id, token_ids, extras)
+                num_computed = computed.num_computed_tokens
+            num_new = len(token_ids) - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > token_budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = token_budget
+            num_lookahead = 0
+            if config.num_lookahead_tokens:
+                num_lookahead = min(
+                    config.num_lookahead_tokens, self.max_num_tokens - num_computed - num_new
+                )
+            new_block_ids = kv.allocate_slots(
+                req_id,
+                token_ids,
+                num_new,
+                computed=computed,
+                num_lookahead_tokens=num_lookahead,
+                extras=extras,
+            )
+            if new_block_ids is None:
+                break
+            waiting.pop_request()
+            running.append(request)
+            request.set_status(_RUNNING)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=list(kv.get_block_ids(req_id)),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            num_scheduled_tokens[req_id] = num_new
+            token_budget -= num_new
+            request.num_computed_tokens = num_computed + num_new
+        return token_budget
+
+    def _select_victim(self) -> Request:
+        """The running request to preempt: the newest (FCFS), or the lowest priority, latest
+        arrival (priority policy)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, index: int) -> None:
+        """Preempt by recompute: free the request's blocks and queue it at the front."""
+        del self.running[index]
+        self.kv_cache_manager.free(request.request_id)
+        request.set_status(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        request.num_prompt_logprob_rows_seen = 0
+        self._num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply one step's sampled tokens; returns what changed for each request."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        requests = self.requests
+        req_id_to_index = model_runner_output.req_id_to_index
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        spec_token_ids = model_runner_output.spec_token_ids
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        logprobs = model_runner_output.logprobs
+        logprob_offsets = None
+        if logprobs is not None:
+            logprob_offsets = list(
+                itertools.accumulate((len(t) for t in sampled_token_ids), initial=0)
+            )
+        max_num_tokens = self.max_num_tokens
+        finished: list[Request] = []
+
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            index = req_id_to_index[req_id]
+            new_token_ids = sampled_token_ids[index]
+            if scheduled_spec:
+                drafts = scheduled_spec.get(req_id)
+                if drafts and new_token_ids:
+                    # KV of rejected drafts is stale: recompute from the first rejected one.
+                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+            if spec_token_ids is not None:
+                request.spec_token_ids = spec_token_ids[index]
+
+            finish_status = None
+            if new_token_ids:
+                output_ids = request.output_token_ids
+                all_ids = request.all_token_ids
+                for count, token in enumerate(new_token_ids, 1):
+                    output_ids.append(token)
+                    all_ids.append(token)
+                    num_outputs = len(output_ids)
+                    if num_outputs >= request.min_tokens and (
+                        token == request.eos_token_id or token in request.stop_token_ids
+                    ):
+                        finish_status = _STOPPED
+                        if token != request.eos_token_id:
+                            request.stop_reason = token
+                    elif num_outputs >= request.max_tokens or len(all_ids) >= max_num_tokens:
+                        finish_status = _LENGTH_CAPPED
+                    else:
+                        continue
+                    if count < len(new_token_ids):
+                        new_token_ids = new_token_ids[:count]
+                    break
+
+            new_logprobs = None
+            if logprob_offsets is not None and request.sampling_params.logprobs is not None:
+                start = logprob_offsets[index]
+                end = start + len(new_token_ids)
+                new_logprobs = Logprobs(
+                    logprobs.token_ids[start:end],
+                    logprobs.logprobs[start:end],
+                    logprobs.ranks[start:end],
+                )
+            new_prompt_logprobs = None
+            if prompt_logprobs:
+                chunk = prompt_logprobs.get(req_id)
+                if chunk is not None:
+                    new_prompt_logprobs = self._unseen_prompt_logprobs(request, chunk)
+
+            if finish_status is not None:
+                request.set_status(finish_status)
+                finished.append(request)
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        finish_reason=FinishReason.STOP
+                        if finish_status == _STOPPED
+                        else FinishReason.LENGTH,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+            elif new_token_ids or new_prompt_logprobs is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+
+        if finished:
+            free = self.kv_cache_manager.free
+            for request in finished:
+                free(request.request_id)
+                del requests[request.request_id]
+                self.finished_req_ids.add(request.request_id)
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
+        )
+
+    def _unseen_prompt_logprobs(self, request: Request, chunk: Logprobs) -> Logprobs | None:
+        """Drop prompt-logprob rows already sent before a preemption made the worker redo them."""
+        seen = request.num_prompt_logprob_rows_seen
+        rows = len(chunk.ranks)
+        request.num_prompt_logprob_rows_seen = seen + rows
+        skip = request.num_prompt_logprob_rows_sent - seen
+        if skip <= 0:
+            request.num_prompt_logprob_rows_sent += rows
+            return chunk
+        if skip >= rows:
+            return None
+        request.num_prompt_logprob_rows_sent += rows - skip
+        return Logprobs(chunk.token_ids[skip:], chunk.logprobs[skip:], chunk.ranks[skip:])
+
+    def take_pending_outputs(self) -> EngineCoreOutputs:
+        """Outputs produced outside a model step (ignored requests), with current stats."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
+        )
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, and counters since the previous call."""
+        prefix = self.kv_cache_manager.take_prefix_cache_stats()
+        num_preemptions = self._num_preemptions
+        self._num_preemptions = 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=num_preemptions,
+        )

@@ -1,0 +1,245 @@
+"""A deterministic fake executor and the reference it must agree with.
+
+The fake model's next token is a function of the whole sequence so far (``next_token``). The
+executor behaves as a worker does: it keeps each request's tokens (persistent batch), applies the
+``SchedulerOutput`` diffs, writes every scheduled token into a fake paged KV cache at the slots
+its block table gives, and predicts from what it reads back out of that cache. A wrong block
+table, a block shared when it should not be, a prefix-cache hit with the wrong content or a
+wrong ``num_computed_tokens`` therefore changes the outputs (and trips an assertion).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ember_scheduler import (
+    Logprobs,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+VOCAB_SIZE = 97
+EOS_TOKEN_ID = 0
+_MAX_POSITIONS = 1 << 14
+_WEIGHTS = (np.arange(_MAX_POSITIONS, dtype=np.int64) * 7919 + 13) % 10007
+
+
+def _mix(h: np.ndarray | int):
+    return (h ^ (h >> 5)) % VOCAB_SIZE
+
+
+def next_token(sequence: list[int]) -> int:
+    """The fake model: the token that follows ``sequence``."""
+    n = len(sequence)
+    h = int(np.dot(np.asarray(sequence, dtype=np.int64) + 1, _WEIGHTS[:n])) + n
+    return int(_mix(h))
+
+
+def draft_tokens(sequence: list[int], k: int) -> list[int]:
+    """A fake drafter: mostly right, deterministically wrong now and then."""
+    seq = list(sequence)
+    drafts = []
+    for _ in range(k):
+        token = next_token(seq)
+        if (len(seq) * 31 + token) % 4 == 0:
+            token = (token + 1) % VOCAB_SIZE
+        drafts.append(token)
+        seq.append(token)
+    return drafts
+
+
+def reference_output(
+    prompt: list[int],
+    params: SamplingParams,
+    max_len: int,
+    eos_token_id: int | None = EOS_TOKEN_ID,
+) -> tuple[list[int], str, int | None]:
+    """What a request must produce: (output tokens, finish reason word, stop reason)."""
+    if len(prompt) > max_len:
+        return [], "ignored", None
+    seq = list(prompt)
+    out: list[int] = []
+    max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
+    stop_ids = set(params.stop_token_ids)
+    while True:
+        token = next_token(seq)
+        seq.append(token)
+        out.append(token)
+        if len(out) >= params.min_tokens:
+            if not params.ignore_eos and token == eos_token_id:
+                return out, "stop", None
+            if token in stop_ids:
+                return out, "stop", token
+        if len(out) >= max_tokens or len(seq) >= max_len:
+            return out, "length", None
+
+
+class _WorkerRequest:
+    __slots__ = ("block_ids", "num_computed_tokens", "params", "prompt_len", "tokens")
+
+    def __init__(self, tokens, block_ids, num_computed_tokens, params, prompt_len):
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.params = params
+        self.prompt_len = prompt_len
+
+
+class FakeExecutor:
+    """Deterministic stand-in for the worker's executor (see the module docstring)."""
+
+    def __init__(self, num_kv_blocks: int, block_size: int, *, num_spec_tokens: int = 0) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.num_spec_tokens = num_spec_tokens
+        self.kv = np.full((num_kv_blocks, block_size), -1, dtype=np.int64)
+        self.requests: dict[str, _WorkerRequest] = {}
+        self.scheduler_outputs: list[SchedulerOutput] = []
+        self.is_shut_down = False
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.scheduler_outputs.append(so)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            assert req_id in self.requests, f"worker told to drop unknown request {req_id}"
+            del self.requests[req_id]
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.requests, f"{new.req_id} sent in full twice"
+            assert 0 not in new.block_ids, "the null block was handed out"
+            self.requests[new.req_id] = _WorkerRequest(
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                len(new.prompt_token_ids),
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        spec: list[list[int]] = []
+        prompt_logprobs: dict[str, Logprobs] = {}
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            new_tokens, plp = self._forward(req_id, state, so.num_scheduled_tokens[req_id], drafts)
+            sampled.append(new_tokens)
+            spec.append(
+                draft_tokens(state.tokens, self.num_spec_tokens)
+                if new_tokens and self.num_spec_tokens
+                else []
+            )
+            if plp is not None:
+                prompt_logprobs[req_id] = plp
+        rows = [t for tokens in sampled for t in tokens]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=Logprobs(
+                [[t, (t + 1) % VOCAB_SIZE] for t in rows],
+                [[-0.5, -1.5] for _ in rows],
+                [1 for _ in rows],
+            ),
+            prompt_logprobs=prompt_logprobs,
+            spec_token_ids=spec if self.num_spec_tokens else None,
+        )
+
+    def _forward(
+        self, req_id: str, state: _WorkerRequest, num_tokens: int, drafts: list[int]
+    ) -> tuple[list[int], Logprobs | None]:
+        start = state.num_computed_tokens
+        end = start + num_tokens
+        known = state.tokens + drafts
+        assert end <= len(known), f"{req_id}: scheduled past its known tokens"
+        size = self.block_size
+        assert -(-end // size) <= len(state.block_ids), f"{req_id}: no KV slot for token {end - 1}"
+        table = np.asarray(state.block_ids, dtype=np.int64)
+        positions = np.arange(start, end)
+        self.kv[table[positions // size], positions % size] = known[start:end]
+
+        plp = None
+        if state.params.prompt_logprobs is not None and start < state.prompt_len - 1:
+            targets = state.tokens[start + 1 : min(end, state.prompt_len - 1) + 1]
+            plp = Logprobs([[t] for t in targets], [[-1.0] for _ in targets], [1] * len(targets))
+        if end < len(state.tokens):
+            return [], plp  # a prefill chunk: nothing to sample yet
+
+        positions = np.arange(end)
+        context = self.kv[table[positions // size], positions % size]
+        assert context.tolist() == known[:end], f"{req_id}: KV cache holds the wrong tokens"
+        # Predictions after each of the last len(drafts) + 1 positions, in one pass.
+        prefix_sums = np.cumsum((context + 1) * _WEIGHTS[:end])
+        first = len(state.tokens) - 1
+        predictions = _mix(prefix_sums[first:end] + np.arange(first + 1, end + 1)).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == predictions[accepted]:
+            accepted += 1
+        new_tokens = predictions[: accepted + 1]
+        state.tokens.extend(new_tokens)
+        return new_tokens, plp
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+def make_request(
+    request_id: str, prompt: list[int], params: SamplingParams | None = None, **kwargs
+) -> Request:
+    return Request(
+        request_id,
+        prompt,
+        params if params is not None else SamplingParams(max_tokens=8),
+        eos_token_id=kwargs.pop("eos_token_id", EOS_TOKEN_ID),
+        **kwargs,
+    )
+
+
+class Collected:
+    """Everything an engine emitted for one request."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprob_token_ids: list[int] = []
+        self.prompt_logprob_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.finish_detail: str | None = None
+        self.num_cached_tokens = 0
+
+
+def collect(outputs, results: dict[str, Collected]) -> None:
+    """Fold one step's ``EngineCoreOutputs`` into ``results``; fails on output after finish."""
+    for out in outputs.outputs:
+        got = results.setdefault(out.request_id, Collected())
+        assert got.finish_reason is None, f"{out.request_id} produced output after finishing"
+        got.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            got.logprob_token_ids.extend(row[0] for row in out.new_logprobs.token_ids)
+        if out.new_prompt_logprobs is not None:
+            got.prompt_logprob_token_ids.extend(row[0] for row in out.new_prompt_logprobs.token_ids)
+        got.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is not None:
+            got.finish_reason = str(out.finish_reason)
+            got.stop_reason = out.stop_reason
+            got.finish_detail = out.finish_detail
+
+
+def run_to_completion(engine, max_steps: int = 100_000) -> tuple[dict[str, Collected], list]:
+    """Step until no request is left; returns the collected outputs and every step's stats."""
+    results: dict[str, Collected] = {}
+    stats = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return results, stats
+        outputs = engine.step()
+        stats.append(outputs.scheduler_stats)
+        collect(outputs, results)
+    raise AssertionError(f"not done after {max_steps} steps")
