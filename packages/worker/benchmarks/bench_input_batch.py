@@ -1,0 +1,110 @@
+"""Swap and condense of the persistent input batch, against copying whole rows.
+
+For max_model_len 32768 and 131072, with rows of 500 and 800 tokens, times:
+- ``swap_rows`` of a 500-token and an 800-token row;
+- ``remove_request`` + ``condense`` (the last row moves into the hole);
+- the baseline: the same swap copying whole ``max_model_len`` token rows, whole block-table
+  rows and each side array one by one.
+Prints microseconds per operation (best of several repeats) and ratios measured in this run:
+ours against the baseline, and ours at 131072 against ours at 32768 (should stay near 1).
+
+Run: python3 packages/worker/benchmarks/bench_input_batch.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ember_scheduler.outputs import NewRequestData
+from ember_scheduler.sampling_params import SamplingParams
+from ember_worker.input_batch import InputBatch
+
+MAX_NUM_REQS = 64
+BLOCK_SIZE = 16
+VOCAB = 32000
+LENGTHS = (500, 800)
+REPEATS = 7
+CALLS = 2000
+
+
+def request(req_id: str, num_tokens: int, seed: int) -> NewRequestData:
+    rng = np.random.default_rng(seed)
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=rng.integers(0, VOCAB, num_tokens).tolist(),
+        output_token_ids=[],
+        sampling_params=SamplingParams(temperature=0.8, top_p=0.9, seed=seed, logprobs=2),
+        block_ids=rng.integers(0, 100_000, -(-num_tokens // BLOCK_SIZE)).tolist(),
+        num_computed_tokens=0,
+    )
+
+
+def filled_batch(max_model_len: int) -> InputBatch:
+    batch = InputBatch(MAX_NUM_REQS, max_model_len, 8192, BLOCK_SIZE, VOCAB)
+    for i in range(MAX_NUM_REQS):
+        batch.add_request(request(f"r{i}", LENGTHS[i % 2], i))
+    return batch
+
+
+def full_row_swap(batch: InputBatch, i: int, j: int) -> None:
+    """What a batch without per-row lengths must do: move whole rows, field by field."""
+    for array in (batch.token_ids_cpu, batch.block_table_cpu):
+        array[[i, j]] = array[[j, i]]
+    for name in batch.rows.dtype.names:
+        field = batch.rows[name]
+        field[i], field[j] = field[j], field[i]
+
+
+def best_us(fn, calls: int = CALLS) -> float:
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def condense_us(batch: InputBatch) -> float:
+    """remove_request of a middle row + condense (moves the last row), re-adding it untimed."""
+    best = float("inf")
+    for _ in range(REPEATS):
+        elapsed = 0.0
+        for k in range(CALLS // 4):
+            victim = batch.req_ids[5]
+            start = time.perf_counter()
+            batch.remove_request(victim)
+            batch.condense()
+            elapsed += time.perf_counter() - start
+            batch.add_request(request(victim, LENGTHS[k % 2], k))
+        best = min(best, elapsed / (CALLS // 4))
+    return best * 1e6
+
+
+def main() -> None:
+    results = {}
+    for max_model_len in (32768, 131072):
+        batch = filled_batch(max_model_len)
+        # rows 2 (500 tokens) and 5 (800 tokens)
+        results[max_model_len] = (
+            best_us(lambda b=batch: b.swap_rows(2, 5)),
+            condense_us(batch),
+            best_us(lambda b=batch: full_row_swap(b, 2, 5), calls=CALLS // 10),
+        )
+    print(f"rows of {LENGTHS[0]} and {LENGTHS[1]} tokens, {MAX_NUM_REQS} rows, block {BLOCK_SIZE}")
+    print(
+        f"{'max_model_len':>14} {'swap us':>9} {'remove+condense us':>19} {'full-row swap us':>17}"
+    )
+    for max_model_len, (swap, condense, full) in results.items():
+        print(f"{max_model_len:>14} {swap:>9.2f} {condense:>19.2f} {full:>17.2f}")
+    for max_model_len, (swap, _, full) in results.items():
+        print(f"swap / full-row swap at {max_model_len}: {swap / full:.4f}")
+    (s32, c32, _), (s128, c128, _) = results[32768], results[131072]
+    print(f"swap at 131072 / swap at 32768: {s128 / s32:.2f}")
+    print(f"remove+condense at 131072 / at 32768: {c128 / c32:.2f}")
+
+
+if __name__ == "__main__":
+    main()
