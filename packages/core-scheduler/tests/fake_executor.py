@@ -126,6 +126,11 @@ class FakeExecutor:
         sampled: list[list[int]] = []
         spec: list[list[int]] = []
         prompt_logprobs: dict[str, Logprobs] = {}
+        # As in a real forward pass, every scheduled token's KV is written before any request
+        # attends, so a request may read blocks another one fills in the same step.
+        for req_id in req_ids:
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            self._write_kv(req_id, self.requests[req_id], so.num_scheduled_tokens[req_id], drafts)
         for req_id in req_ids:
             state = self.requests[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
@@ -152,9 +157,9 @@ class FakeExecutor:
             spec_token_ids=spec if self.num_spec_tokens else None,
         )
 
-    def _forward(
+    def _write_kv(
         self, req_id: str, state: _WorkerRequest, num_tokens: int, drafts: list[int]
-    ) -> tuple[list[int], Logprobs | None]:
+    ) -> None:
         start = state.num_computed_tokens
         end = start + num_tokens
         known = state.tokens + drafts
@@ -164,6 +169,15 @@ class FakeExecutor:
         table = np.asarray(state.block_ids, dtype=np.int64)
         positions = np.arange(start, end)
         self.kv[table[positions // size], positions % size] = known[start:end]
+
+    def _forward(
+        self, req_id: str, state: _WorkerRequest, num_tokens: int, drafts: list[int]
+    ) -> tuple[list[int], Logprobs | None]:
+        start = state.num_computed_tokens
+        end = start + num_tokens
+        known = state.tokens + drafts
+        size = self.block_size
+        table = np.asarray(state.block_ids, dtype=np.int64)
 
         plp = None
         if state.params.prompt_logprobs is not None and start < state.prompt_len - 1:
