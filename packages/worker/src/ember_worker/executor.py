@@ -1,0 +1,106 @@
+"""The in-process executor: one worker in the engine core's own process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from ember_worker.kv_cache import kv_cache_budget
+from ember_worker.layers.parallel import TensorParallelGroup
+from ember_worker.model_loader import load_model
+from ember_worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    """Implements ``ember_scheduler.outputs.Executor`` with one ``ModelRunner`` in this process.
+
+    Loads the model, sizes the KV cache from ``kv_cache_memory`` bytes (required on the CPU; on
+    a GPU, ``gpu_memory_utilization`` of the memory left free by the model when it is None) and
+    reports the block count as ``num_kv_blocks``. ``num_threads`` sets torch's (process-wide)
+    intra-op thread count; None leaves it alone.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        device: str | torch.device | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        tp = TensorParallelGroup(rank=0, size=tensor_parallel_size)
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if num_threads is not None:
+            # torch's intra-op threads are process-wide; on a small or shared CPU one thread is
+            # often fastest for a tiny model (thread wake-ups cost more than the matmuls).
+            if not isinstance(num_threads, int) or num_threads < 1:
+                raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        loaded = load_model(model, dtype=dtype, device=self.device, tp=tp)
+        limit = loaded.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        if not 0 < max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
+                f"got {max_model_len}"
+            )
+        self.loaded = loaded
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model_runner = ModelRunner(
+            loaded,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            device=self.device,
+        )
+        budget = kv_cache_budget(self.device, kv_cache_memory, gpu_memory_utilization)
+        self._num_kv_blocks = self.model_runner.kv_cache_spec.num_blocks_for(budget)
+        self.model_runner.initialize_kv_cache(self._num_kv_blocks)
+        self._block_size = block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token (generation_config.json, else config.json)."""
+        eos = self.loaded.generation_config.get("eos_token_id")
+        if eos is None:
+            eos = getattr(self.loaded.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Release the KV cache and the model (the executor is unusable afterwards)."""
+        self.model_runner = None

@@ -1,0 +1,170 @@
+"""The model runner: turns one ``SchedulerOutput`` into sampled tokens.
+
+Per step, as vLLM v1's GPU model runner: apply the scheduler's diff to the persistent batch
+(drop finished and preempted requests, add new ones, append new blocks, take the scheduler's
+computed-token counts), prepare flattened inputs with numpy, run the decoder over every scheduled
+token at once, take logits only at each request's last scheduled token, sample, and append the
+tokens of requests that reached the end of their known tokens (requests still in prefill sample
+nothing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from ember_worker.input_batch import InputBatch, ModelInputs
+from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
+from ember_worker.model_loader import LoadedModel
+from ember_worker.sampler import Sampler, SamplerOutput
+
+
+class ModelRunner:
+    """Holds the model, its KV cache tensors and the persistent batch of one worker."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = device
+        self.block_size = block_size
+        self.input_batch = InputBatch(
+            max_num_reqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            vocab_size=loaded.config.vocab_size,
+            device=device,
+        )
+        self.sampler = Sampler()
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=loaded.config.num_hidden_layers,
+            block_size=block_size,
+            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
+            head_size=loaded.config.head_dim,
+            dtype=loaded.dtype,
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, self.device)
+        bind_kv_cache(self.model, self.kv_caches)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise NotImplementedError(
+                "speculative decoding is not implemented in the model runner "
+                "(scheduled_spec_decode_tokens must be empty)"
+            )
+        self._update_states(scheduler_output)
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), [[] for _ in req_ids])
+
+        num_scheduled = np.zeros(batch.num_reqs, dtype=np.int32)
+        index = batch.req_id_to_index
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
+            num_scheduled[index[req_id]] = count
+        inputs = batch.prepare_inputs(num_scheduled)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, _attention_metadata(inputs))
+
+        prompt_logprobs = self._prompt_logprobs(hidden_states, inputs, num_scheduled)
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sampler_output = self.sampler(logits, batch.sampling_metadata())
+        sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=dict(index),
+            sampled_token_ids=sampled,
+            logprobs=_logprobs_per_sampled_token(sampler_output, sampled),
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            batch.add_request(new_req)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            if new_block_ids:
+                batch.append_block_ids(req_id, new_block_ids)
+            batch.set_num_computed_tokens(req_id, num_computed)
+        batch.condense()
+
+    def _prompt_logprobs(
+        self, hidden_states: torch.Tensor, inputs: ModelInputs, num_scheduled: np.ndarray
+    ) -> dict[str, Logprobs]:
+        """Logprobs of the next prompt token at each prompt position scheduled this step, for
+        requests that asked (``prompt_logprobs``); the last prompt position has no target."""
+        batch = self.input_batch
+        n = batch.num_reqs
+        state = batch.rows[:n]
+        rows = np.flatnonzero((state["num_prompt_logprobs"] >= 0) & (num_scheduled > 0))
+        result: dict[str, Logprobs] = {}
+        starts = inputs.query_start_loc.cpu().numpy()
+        for row in rows.tolist():
+            first = int(state["num_computed_tokens"][row])
+            end = min(first + int(num_scheduled[row]), int(state["num_prompt_tokens"][row]) - 1)
+            if end <= first:
+                continue
+            positions = np.arange(first, end)
+            hidden = hidden_states[int(starts[row]) : int(starts[row]) + len(positions)]
+            targets = torch.from_numpy(batch.token_ids_cpu[row, positions + 1].astype(np.int64))
+            result[batch.req_ids[row]] = Sampler.compute_prompt_logprobs(
+                self.model.compute_logits(hidden),
+                targets.to(hidden.device),
+                int(state["num_prompt_logprobs"][row]),
+            )
+        return result
+
+
+def _attention_metadata(inputs: ModelInputs) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        block_table=inputs.block_table,
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        max_query_len=inputs.max_query_len,
+        max_seq_len=inputs.max_seq_len,
+    )
+
+
+def _logprobs_per_sampled_token(
+    sampler_output: SamplerOutput, sampled: list[list[int]]
+) -> Logprobs | None:
+    """One row per sampled token in row order, as the scheduler reads them; rows of requests
+    that did not ask for logprobs are empty."""
+    if sampler_output.logprobs is None:
+        return None
+    asked = dict(zip(sampler_output.logprobs_rows, range(len(sampler_output.logprobs_rows))))
+    got = sampler_output.logprobs
+    result = Logprobs([], [], [])
+    for row, tokens in enumerate(sampled):
+        if not tokens:
+            continue
+        i = asked.get(row)
+        if i is None:
+            result.token_ids.append([])
+            result.logprobs.append([])
+            result.ranks.append(0)
+        else:
+            result.token_ids.append(got.token_ids[i])
+            result.logprobs.append(got.logprobs[i])
+            result.ranks.append(got.ranks[i])
+    return result

@@ -1,0 +1,148 @@
+"""The executor and model runner, driven by hand-written SchedulerOutputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from ember_scheduler.sampling_params import SamplingParams
+from ember_worker.executor import InProcessExecutor
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+def _executor(path, **kwargs):
+    settings = dict(
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=BLOCK,
+        kv_cache_memory=1 << 20,
+        num_threads=1,
+    )
+    return InProcessExecutor(path, **{**settings, **kwargs})
+
+
+def _step(new=(), cached=(), scheduled=None, finished=()):
+    scheduled = scheduled or {}
+    cached_data = CachedRequestData(
+        req_ids=[c[0] for c in cached],
+        new_block_ids=[c[1] for c in cached],
+        num_computed_tokens=[c[2] for c in cached],
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached_data,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=set(finished),
+    )
+
+
+def _hf_greedy(path, prompt, n):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_kv_blocks_come_from_the_memory_budget(llama):
+    executor = _executor(llama, kv_cache_memory=1 << 20)
+    spec = executor.model_runner.kv_cache_spec
+    # 2 layers x (key + value) x 4 slots x 2 kv heads x 16 dims x 4 bytes
+    assert spec.bytes_per_block == 2 * 2 * BLOCK * 2 * 16 * 4
+    assert executor.num_kv_blocks == (1 << 20) // spec.bytes_per_block
+    assert executor.block_size == BLOCK
+    for cache in executor.model_runner.kv_caches[0]:
+        assert cache.shape == (executor.num_kv_blocks, BLOCK, 2, 16)
+    assert executor.eos_token_id == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(tensor_parallel_size=2), NotImplementedError, "tensor_parallel_size=2"),
+        (dict(kv_cache_memory=None), ValueError, "kv_cache_memory"),
+        (dict(kv_cache_memory=100), ValueError, "holds no KV block"),
+        (dict(max_model_len=4096), ValueError, "max_model_len"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(num_threads=0), ValueError, "num_threads"),
+    ],
+)
+def test_bad_settings_are_named(llama, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _executor(llama, **kwargs)
+
+
+def test_chunked_prefill_samples_only_at_the_end_of_the_prompt(llama):
+    executor = _executor(llama)
+    prompt = list(range(10, 30))  # 20 tokens: chunks of 12 and 8
+    new = NewRequestData("a", prompt, [], GREEDY, block_ids=[0, 1, 2], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[new], scheduled={"a": 12}))
+    assert out.req_ids == ["a"]
+    assert out.sampled_token_ids == [[]]
+    out = executor.execute_model(_step(cached=[("a", [3, 4], 12)], scheduled={"a": 8}))
+    tokens = out.sampled_token_ids[0]
+    assert len(tokens) == 1
+    for computed in range(20, 24):
+        new_blocks = [5] if computed == 20 else []
+        out = executor.execute_model(
+            _step(cached=[("a", new_blocks, computed)], scheduled={"a": 1})
+        )
+        tokens += out.sampled_token_ids[0]
+    assert tokens == _hf_greedy(llama, prompt, 5)
+
+
+def test_finished_request_leaves_and_another_takes_its_place(llama):
+    executor = _executor(llama)
+    a = NewRequestData("a", [5, 6, 7], [], GREEDY, block_ids=[0], num_computed_tokens=0)
+    b = NewRequestData("b", [8, 9], [], GREEDY, block_ids=[1], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[a, b], scheduled={"a": 3, "b": 2}))
+    assert [len(t) for t in out.sampled_token_ids] == [1, 1]
+    c = NewRequestData("c", [11, 12, 13, 14], [], GREEDY, block_ids=[2], num_computed_tokens=0)
+    out = executor.execute_model(
+        _step(new=[c], cached=[("b", [], 2)], scheduled={"b": 1, "c": 4}, finished=["a"])
+    )
+    assert set(out.req_ids) == {"b", "c"}
+    assert out.sampled_token_ids[out.req_id_to_index["c"]] == _hf_greedy(llama, [11, 12, 13, 14], 1)
+
+
+def test_resumed_request_continues_from_its_output_tokens(llama):
+    """A preempted request comes back as new, with its outputs so far, and recomputes them."""
+    executor = _executor(llama)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = _hf_greedy(llama, prompt, 4)
+    new = NewRequestData("r", prompt, expected[:3], GREEDY, [7, 8, 9], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[new], scheduled={"r": 11}))
+    assert out.sampled_token_ids == [[expected[3]]]
+
+
+def test_logprobs_rows_follow_the_sampled_tokens(llama):
+    executor = _executor(llama)
+    asks = SamplingParams(temperature=0.0, logprobs=3)
+    a = NewRequestData("a", [5, 6, 7], [], GREEDY, block_ids=[0], num_computed_tokens=0)
+    b = NewRequestData("b", [8, 9], [], asks, block_ids=[1], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[a, b], scheduled={"a": 3, "b": 2}))
+    assert len(out.logprobs.ranks) == 2
+    row_a, row_b = out.req_id_to_index["a"], out.req_id_to_index["b"]
+    assert out.logprobs.token_ids[row_a] == []
+    assert out.logprobs.token_ids[row_b][0] == out.sampled_token_ids[row_b][0]
+    assert len(out.logprobs.token_ids[row_b]) == 4
+    assert out.logprobs.ranks[row_b] == 1
+
+
+def test_speculative_tokens_are_refused(llama):
+    executor = _executor(llama)
+    a = NewRequestData("a", [5, 6, 7], [], GREEDY, block_ids=[0], num_computed_tokens=0)
+    step = _step(new=[a], scheduled={"a": 3})
+    step.scheduled_spec_decode_tokens = {"a": [1]}
+    with pytest.raises(NotImplementedError, match="speculative"):
+        executor.execute_model(step)
