@@ -114,7 +114,7 @@ class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: OpenAI's default of 16, capped by the context left
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -185,7 +185,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -260,6 +259,14 @@ class UsageInfo(OpenAIResponse):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class CompletionLogProbs(OpenAIResponse):

@@ -1,0 +1,5 @@
+"""``python -m ember_server`` runs the ``ember`` command."""
+
+from ember_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""``ember bench``: offline throughput and latency, and a serving sweep against a running server."""

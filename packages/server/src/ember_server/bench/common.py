@@ -1,0 +1,42 @@
+"""Helpers shared by the benchmarks: synthetic prompts, percentiles, JSON reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+
+# Low ids are special tokens in most vocabularies (the demo model's are 0-5): keep clear of them.
+FIRST_PLAIN_TOKEN_ID = 16
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``input_len`` random ordinary token ids, reproducible from ``seed``."""
+    if vocab_size <= FIRST_PLAIN_TOKEN_ID:
+        raise ValueError(f"vocab_size must exceed {FIRST_PLAIN_TOKEN_ID}, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(FIRST_PLAIN_TOKEN_ID, vocab_size, size=(num, input_len)).tolist()
+
+
+def percentiles_ms(values_s: list[float], points=(50, 99)) -> dict[str, float]:
+    """``{"p50_ms": ..., "p99_ms": ..., "mean_ms": ...}`` of durations in seconds (NaN if none)."""
+    if not values_s:
+        return {**{f"p{p}_ms": float("nan") for p in points}, "mean_ms": float("nan")}
+    arr = np.asarray(values_s) * 1e3
+    result = {f"p{p}_ms": float(np.percentile(arr, p)) for p in points}
+    result["mean_ms"] = float(arr.mean())
+    return result
+
+
+def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
+    parser.add_argument("--output-len", type=int, default=32, help="Output tokens per request.")
+    parser.add_argument("--output-json", default=None, help="Also write the results here.")
+
+
+def write_json(path: str | None, results: dict) -> None:
+    if path:
+        pathlib.Path(path).write_text(json.dumps(results, indent=2) + "\n")

@@ -1,0 +1,199 @@
+"""Serving benchmark: a concurrency sweep of streamed completions against a running server.
+
+For each concurrency level it sends ``--num-prompts`` requests (random token-id prompts, greedy,
+``ignore_eos`` so every request yields exactly ``--output-len`` tokens), at most ``concurrency``
+in flight, and reports request throughput, output tokens/s, time to first token and inter-token
+latency (p50, p99; ITL is measured between streamed chunks, as vLLM's benchmark does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import time
+
+import httpx
+
+from ember_server.bench.common import add_workload_args, percentiles_ms, random_prompts, write_json
+
+# Prompt ids are drawn below this bound, valid in any real vocabulary (and the demo model's).
+PROMPT_VOCAB_BOUND = 1000
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What one streamed request measured."""
+
+    ok: bool
+    ttft_s: float = 0.0
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server's URL.")
+    parser.add_argument("--model", default=None, help="Model name; default: the server's model.")
+    parser.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, num_prompts=64)
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict
+) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    result.ok = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if result.ttft_s == 0.0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    return result
+
+
+async def server_model(base_url: str, api_key: str | None) -> str:
+    """The name of the (first) model a server serves."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(f"{base_url}/v1/models", headers=headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    api_key: str | None = None,
+) -> dict:
+    """Send every prompt with at most ``concurrency`` in flight; the level's summary."""
+    url = f"{base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
+        async def one(prompt: list[int]) -> RequestResult:
+            body = dict(
+                model=model,
+                prompt=prompt,
+                max_tokens=output_len,
+                temperature=0.0,
+                ignore_eos=True,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            async with gate:
+                return await _stream_one(client, url, body, headers)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        duration = time.perf_counter() - start
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    errors = sorted({r.error for r in results if not r.ok})
+    return dict(
+        concurrency=concurrency,
+        num_requests=len(prompts),
+        completed=len(done),
+        failed=len(prompts) - len(done),
+        errors=errors[:5],
+        duration_s=duration,
+        request_throughput=len(done) / duration,
+        output_throughput=output_tokens / duration,
+        output_tokens=output_tokens,
+        ttft=percentiles_ms([r.ttft_s for r in done]),
+        itl=percentiles_ms([x for r in done for x in r.itl_s]),
+        e2e=percentiles_ms([r.e2e_s for r in done]),
+    )
+
+
+async def sweep(
+    base_url: str,
+    concurrencies: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    model: str | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """One warm-up request, then ``run_level`` at each concurrency (at least one prompt each)."""
+    base_url = base_url.rstrip("/")
+    model = model or await server_model(base_url, api_key)
+    warmup = random_prompts(1, input_len, PROMPT_VOCAB_BOUND, seed=seed + 1)
+    await run_level(base_url, model, warmup, output_len, 1, api_key)
+    levels = []
+    for concurrency in concurrencies:
+        prompts = random_prompts(max(num_prompts, concurrency), input_len, PROMPT_VOCAB_BOUND, seed)
+        levels.append(await run_level(base_url, model, prompts, output_len, concurrency, api_key))
+    return dict(
+        base_url=base_url, model=model, input_len=input_len, output_len=output_len, levels=levels
+    )
+
+
+def format_table(results: dict) -> str:
+    lines = [
+        f"{'conc':>5} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'failed':>6}"
+    ]
+    for level in results["levels"]:
+        lines.append(
+            f"{level['concurrency']:>5} {level['request_throughput']:>8.2f} "
+            f"{level['output_throughput']:>10.1f} {level['ttft']['p50_ms']:>7.1f}ms "
+            f"{level['ttft']['p99_ms']:>7.1f}ms {level['itl']['p50_ms']:>6.1f}ms "
+            f"{level['itl']['p99_ms']:>6.1f}ms {level['failed']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    results = asyncio.run(
+        sweep(
+            args.base_url,
+            args.concurrency,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            model=args.model,
+            api_key=args.api_key,
+            seed=args.seed,
+        )
+    )
+    print(format_table(results))
+    write_json(args.output_json, results)
+    return 0 if all(level["completed"] for level in results["levels"]) else 1

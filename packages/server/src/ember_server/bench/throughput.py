@@ -1,0 +1,57 @@
+"""Offline throughput: a batch of requests through ``LLM.generate`` at once.
+
+Random token-id prompts of ``--input-len`` tokens, greedy, ``ignore_eos`` so that every request
+yields exactly ``--output-len`` tokens. Reports requests/s, output tokens/s and total tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from ember_server.bench.common import add_workload_args, random_prompts, write_json
+from ember_server.engine_args import EngineArgs
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser, num_prompts=64)
+
+
+def measure(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int) -> dict:
+    """Build the engine, warm it up, then time one ``generate`` call over every prompt."""
+    from ember_scheduler.sampling_params import SamplingParams
+    from ember_server.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    vocab_size = llm.model_config.vocab_size
+    prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], params.clone(max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return dict(
+        num_requests=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        elapsed_s=elapsed,
+        request_throughput=num_prompts / elapsed,
+        output_throughput=output_tokens / elapsed,
+        total_throughput=(output_tokens + num_prompts * input_len) / elapsed,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    results = measure(
+        EngineArgs.from_cli_args(args), args.num_prompts, args.input_len, args.output_len
+    )
+    print(
+        f"throughput: {results['request_throughput']:.2f} requests/s, "
+        f"{results['output_throughput']:.1f} output tokens/s, "
+        f"{results['total_throughput']:.1f} total tokens/s "
+        f"({results['num_requests']} requests in {results['elapsed_s']:.2f} s)"
+    )
+    write_json(args.output_json, results)
+    return 0

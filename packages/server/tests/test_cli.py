@@ -1,0 +1,122 @@
+"""The ``ember`` command line: flags, defaults and model resolution (no engine is started)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ember_server.cli import DEMO_MODEL_NAME, demo_model_path, make_parser, resolve_model
+from ember_server.engine_args import EngineArgs
+
+
+def _parse(*argv: str):
+    return make_parser().parse_args(list(argv))
+
+
+def test_serve_defaults_bind_localhost():
+    args = _parse("serve")
+    assert (args.host, args.port, args.model_tag, args.model) == ("127.0.0.1", 8000, None, None)
+    assert args.needs_model
+
+
+def test_serve_takes_vllm_flags_into_engine_args():
+    args = _parse(
+        "serve",
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--api-key",
+        "k",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "1024",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "64MiB",
+        "--no-enable-prefix-caching",
+        "--served-model-name",
+        "mine",
+        "--seed",
+        "7",
+    )
+    resolve_model(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (args.host, args.port, args.api_key) == ("0.0.0.0", 9001, "k")
+    assert engine_args == EngineArgs(
+        model="/models/m",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        block_size=32,
+        kv_cache_memory=64 * 1024**2,
+        enable_prefix_caching=False,
+        served_model_name="mine",
+        seed=7,
+    )
+
+
+def test_model_flag_and_positional_must_agree():
+    args = _parse("serve", "--model", "/a")
+    resolve_model(args)
+    assert args.model == "/a"
+    args = _parse("serve", "/a", "--model", "/b")
+    with pytest.raises(SystemExit, match="differ"):
+        resolve_model(args)
+
+
+def test_no_model_means_the_demo_model(caplog):
+    args = _parse("serve")
+    with caplog.at_level("WARNING", logger="ember"):
+        resolve_model(args)
+    assert args.model == demo_model_path()
+    assert args.served_model_name == DEMO_MODEL_NAME
+    assert "RANDOM weights" in caplog.text and args.model in caplog.text
+    folder = pathlib.Path(args.model)
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    assert 1e6 < size < 20e6  # "a few MB"
+
+
+def test_bad_flag_values_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        _parse("serve", "--dtype", "int3")
+    with pytest.raises(SystemExit):
+        _parse("serve", "--port", "eighty")
+    assert "invalid" in capsys.readouterr().err
+
+
+def test_bench_subcommands():
+    args = _parse("bench", "serve", "--concurrency", "1", "4", "--output-json", "x.json")
+    assert (args.concurrency, args.output_json, args.needs_model) == ([1, 4], "x.json", False)
+    assert args.base_url == "http://127.0.0.1:8000"
+    args = _parse("bench", "throughput", "/m", "--num-prompts", "3", "--max-num-seqs", "4")
+    assert (args.model_tag, args.num_prompts, args.max_num_seqs) == ("/m", 3, 4)
+    args = _parse("bench", "latency", "--batch-size", "2", "--num-iters", "1")
+    assert (args.batch_size, args.num_iters, args.needs_model) == (2, 1, True)
+    with pytest.raises(SystemExit):
+        _parse("bench", "nothing")
+
+
+def test_generate_flags():
+    args = _parse("generate", "--prompt", "a", "--prompt", "b", "--max-tokens", "4", "--chat")
+    assert (args.prompt, args.max_tokens, args.chat) == (["a", "b"], 4, True)
+
+
+def test_module_entry_point_prints_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "ember_server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0
+    assert all(word in done.stdout for word in ("serve", "generate", "bench"))
