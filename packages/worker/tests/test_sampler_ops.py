@@ -1,0 +1,176 @@
+"""Penalties, temperature, min-p, top-k and top-p against per-row references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ember_scheduler.outputs import NewRequestData
+from ember_scheduler.sampling_params import SamplingParams
+from ember_worker.input_batch import InputBatch
+from ember_worker.sampler import Sampler
+from ember_worker.sampling_ops import apply_min_p_, apply_penalties_, apply_top_k_top_p
+
+VOCAB = 40
+
+
+def random_logits(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def kept(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().squeeze(1).tolist())
+
+
+def test_top_k_keeps_the_k_largest_per_row():
+    logits = random_logits(4, 0)
+    top_k = torch.tensor([1, 5, 0, VOCAB + 3])
+    out = apply_top_k_top_p(logits, top_k, None)
+    for row, k in enumerate(top_k.tolist()):
+        expected = set(logits[row].topk(min(k, VOCAB) if k else VOCAB).indices.tolist())
+        assert kept(out[row]) == expected
+        assert torch.equal(out[row][list(expected)], logits[row][list(expected)])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = random_logits(4, 1)
+    top_p = torch.tensor([0.1, 0.5, 0.9, 1.0])
+    out = apply_top_k_top_p(logits, None, top_p)
+    for row, p in enumerate(top_p.tolist()):
+        probs = logits[row].double().softmax(-1)
+        order = probs.argsort(descending=True).tolist()
+        expected, mass = set(), 0.0
+        for token in order:
+            expected.add(token)
+            mass += probs[token].item()
+            if mass >= p - 1e-6:
+                break
+        assert kept(out[row]) == expected
+
+
+def test_top_k_then_top_p_renormalizes_over_the_top_k():
+    logits = random_logits(1, 2)
+    out = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.6]))
+    top3 = logits[0].topk(3)
+    probs = top3.values.softmax(-1)
+    n = 1 if probs[0] >= 0.6 else 2 if probs[0] + probs[1] >= 0.6 else 3
+    assert kept(out[0]) == set(top3.indices[:n].tolist())
+
+
+def test_min_p_masks_tokens_below_a_fraction_of_the_top():
+    logits = random_logits(3, 3)
+    min_p = torch.tensor([0.0, 0.2, 1.0])
+    out = apply_min_p_(logits.clone(), min_p)
+    for row, m in enumerate(min_p.tolist()):
+        probs = logits[row].softmax(-1)
+        assert kept(out[row]) == set((probs >= m * probs.max()).nonzero().squeeze(1).tolist())
+
+
+def reference_penalties(logits, prompt, output, presence, frequency, repetition):
+    """vLLM's definitions, one token at a time."""
+    out = logits.clone()
+    for token in set(prompt) | set(output):
+        value = out[token].item()
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        out[token] -= frequency * output.count(token) + presence
+    return out
+
+
+def test_penalties_match_the_reference():
+    logits = random_logits(3, 4)
+    prompts = [[1, 2, 2, 3], [5], [7, 8]]
+    outputs = [[2, 2, 9], [5, 5, 5, 6], []]
+    params = [(0.5, 0.3, 1.5), (-1.0, 0.0, 0.8), (2.0, 2.0, 1.0)]
+    counts = torch.zeros(3, VOCAB, dtype=torch.int32)
+    mask = torch.zeros(3, VOCAB, dtype=torch.bool)
+    for row in range(3):
+        for token in outputs[row]:
+            counts[row, token] += 1
+        mask[row, prompts[row]] = True
+    presence, frequency, repetition = (torch.tensor(col) for col in zip(*params))
+    out = apply_penalties_(logits.clone(), counts, mask, presence, frequency, repetition)
+    for row in range(3):
+        expected = reference_penalties(logits[row], prompts[row], outputs[row], *params[row])
+        torch.testing.assert_close(out[row], expected)
+
+
+def test_penalties_through_the_batch_change_the_greedy_choice():
+    """Counts and prompt masks come from the batch's own rows; padding is not counted."""
+    batch = InputBatch(3, 32, 64, 4, VOCAB)
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 10] = 3.0  # favourite
+    logits[:, 11] = 2.5  # runner-up
+    specs = [
+        ([10, 1], [], SamplingParams(temperature=0, repetition_penalty=2.0)),  # 10 -> 1.5
+        ([1], [10, 10], SamplingParams(temperature=0, frequency_penalty=0.3)),  # 10 -> 2.4
+        ([1], [10], SamplingParams(temperature=0, presence_penalty=0.3)),  # 10 -> 2.7
+    ]
+    for i, (prompt, output, params) in enumerate(specs):
+        batch.add_request(NewRequestData(f"r{i}", prompt, output, params, [0], 0))
+    batch.token_ids_cpu[:, 3:] = 10  # padding full of the favourite must not count
+    out = Sampler()(logits, batch.sampling_metadata())
+    assert out.sampled_token_ids.tolist() == [11, 11, 10]
+
+
+def test_temperature_shapes_the_distribution():
+    """Empirical frequencies over many unseeded rows match softmax(logits / T)."""
+    torch.manual_seed(0)
+    rows = 4000
+    base = torch.tensor([2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4))
+    for temperature in (0.5, 1.5):
+        batch = InputBatch(rows, 8, rows, 4, VOCAB)
+        for i in range(rows):
+            params = SamplingParams(temperature=temperature)
+            batch.add_request(NewRequestData(f"r{i}", [1], [], params, [0], 0))
+        out = Sampler()(base.expand(rows, VOCAB).clone(), batch.sampling_metadata())
+        freq = np.bincount(out.sampled_token_ids.numpy(), minlength=VOCAB)[:4] / rows
+        expected = (base[:4] / temperature).softmax(-1).numpy()
+        np.testing.assert_allclose(freq, expected, atol=0.03)
+
+
+def test_greedy_and_sampled_rows_mix():
+    logits = random_logits(4, 5)
+    batch = InputBatch(4, 8, 16, 4, VOCAB)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.0, top_k=3),
+        SamplingParams(temperature=0.9, min_p=1.0),
+    ]
+    for i, p in enumerate(params):
+        batch.add_request(NewRequestData(f"r{i}", [1], [], p, [0], 0))
+    meta = batch.sampling_metadata()
+    assert not meta.all_greedy and not meta.all_random
+    out = Sampler()(logits, meta)
+    # top_k=1 and min_p=1 both leave only the argmax.
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+def test_sampler_rejects_mismatched_logits():
+    batch = InputBatch(2, 8, 16, 4, VOCAB)
+    batch.add_request(NewRequestData("a", [1], [], SamplingParams(), [0], 0))
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(torch.zeros(2, VOCAB), batch.sampling_metadata())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_masked_tokens_are_never_sampled(temperature):
+    torch.manual_seed(1)
+    rows = 256
+    batch = InputBatch(rows, 8, rows, 4, VOCAB)
+    for i in range(rows):
+        params = SamplingParams(temperature=temperature, top_k=4, top_p=0.8, min_p=0.05)
+        batch.add_request(NewRequestData(f"r{i}", [1], [], params, [0], 0))
+    logits = random_logits(1, 6).expand(rows, VOCAB).clone()
+    out = Sampler()(logits, batch.sampling_metadata())
+    allowed = apply_top_k_top_p(
+        apply_min_p_(logits[:1] / (temperature or 1.0), torch.tensor([0.05])),
+        torch.tensor([4]),
+        torch.tensor([0.8]),
+    )
+    if temperature:
+        assert set(out.sampled_token_ids.tolist()) <= kept(allowed[0])
+    else:
+        assert set(out.sampled_token_ids.tolist()) == {int(logits[0].argmax())}
