@@ -103,3 +103,11 @@ def test_stop_token_text_follows_include_stop_str(tokenizer, include):
     detok.update([*_ids(tokenizer, "done"), tokenizer.eos_token_id], stop_terminated=True)
     assert detok.output_text == ("done<|eos|>" if include else "done")
     assert detok.token_ids[-1] == tokenizer.eos_token_id
+
+
+def test_incomplete_character_at_the_end_renders_as_decode_does(tokenizer):
+    ids = _ids(tokenizer, "ok 🙂")
+    cut = ids[:-1]
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    deltas, _, detok = _stream(tokenizer, cut, SamplingParams())
+    assert "".join(deltas) == detok.output_text == tokenizer.decode(cut)

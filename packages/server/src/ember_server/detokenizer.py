@@ -34,10 +34,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._backend = backend_tokenizer(tokenizer)
+        self._skip_special_tokens = params.skip_special_tokens
+        self._fed_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])  # context, then outputs
+        self._num_rendered = len(self._fed_ids)  # fed ids whose text is in output_text
         self._stream = DecodeStream(
-            ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
-            skip_special_tokens=params.skip_special_tokens,
+            ids=list(self._fed_ids), skip_special_tokens=self._skip_special_tokens
         )
+        self._stopped_by_string = False
+        self._flushed = False
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -66,9 +70,11 @@ class IncrementalDetokenizer:
             to_decode = new_token_ids[:-1]
         num_chars_before = len(self.output_text)
         if to_decode:
+            self._fed_ids.extend(to_decode)
             chunk = self._stream.step(self._backend, list(to_decode))
-            if chunk:
+            if chunk is not None:
                 self.output_text += chunk
+                self._num_rendered = len(self._fed_ids)
         num_new_chars = len(self.output_text) - num_chars_before
         if not self.stop or num_new_chars == 0 or len(self.token_ids) <= self.min_tokens:
             return None
@@ -88,13 +94,30 @@ class IncrementalDetokenizer:
         index, stop = best
         end = index + len(stop) if self.include_stop_str_in_output else index
         self.output_text = text[:end]
+        self._stopped_by_string = True
         return stop
+
+    def _flush(self) -> None:
+        """At the end, render tokens still held back as an incomplete character (as U+FFFD,
+        the way a one-shot ``decode`` of the whole output renders them)."""
+        self._flushed = True
+        pending = self._fed_ids[self._num_rendered :]
+        if not pending or self._stopped_by_string:
+            return
+        start = max(0, self._num_rendered - _PROMPT_CONTEXT_TOKENS)
+        context = self._fed_ids[start : self._num_rendered]
+        skip = self._skip_special_tokens
+        with_pending = self._backend.decode(context + pending, skip_special_tokens=skip)
+        base = self._backend.decode(context, skip_special_tokens=skip)
+        self.output_text += with_pending[len(base) :]
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it, or only what is new since the last delta.
 
         Until the sequence finishes, the stop-string buffer at the end is withheld.
         """
+        if finished and not self._flushed:
+            self._flush()
         length = len(self.output_text)
         if not finished:
             length -= self.stop_buffer_length

@@ -1,0 +1,182 @@
+"""The offline API: ``LLM(model, **engine_args).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine_args import EngineArgs
+from ember_server.engine_factory import make_engine_core
+from ember_server.input_processor import InputProcessor
+from ember_server.metrics import EngineMetrics, IterationStats
+from ember_server.model_config import ModelConfig
+from ember_server.output_processor import OutputProcessor
+from ember_server.outputs import RequestOutput, RequestOutputKind
+from ember_server.tokenizer import load_tokenizer, render_chat
+
+
+class LLM:
+    """An engine in this process (no sockets) for batch generation.
+
+    ``LLM(model, **engine_args)`` takes ``EngineArgs`` fields as keywords. ``generate`` and
+    ``chat`` return one ``RequestOutput`` per prompt, in input order.
+    """
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.model_config = ModelConfig.from_engine_args(self.engine_args)
+        self.tokenizer = load_tokenizer(self.model_config.tokenizer)
+        self.engine_core = make_engine_core(self.engine_args, self.model_config)
+        executor = self.engine_core.executor
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_config,
+            max_num_kv_tokens=executor.num_kv_blocks * executor.block_size,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.model_config.served_model_name)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (strings, token-id lists, or dicts with
+        ``"prompt"`` or ``"prompt_token_ids"``); ``sampling_params`` is one for all, or one per
+        prompt."""
+        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a
+        list of conversations, rendered through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(
+                self.tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append((text, ids))
+        return self._generate(prompts, sampling_params, use_tqdm, None)
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        params_list = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority") if priority else None
+        # Check and tokenize everything before the engine sees any of it.
+        batch = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = (
+                prompt if isinstance(prompt, tuple) else self.input_processor.tokenize(prompt)
+            )
+            request_id = str(next(self._request_counter))
+            engine_requests = self.input_processor.make_requests(
+                request_id, ids, params or SamplingParams(), priorities[i] if priorities else 0
+            )
+            batch.append((request_id, text, engine_requests))
+        order = {}
+        for i, (request_id, text, engine_requests) in enumerate(batch):
+            params = params_list[i] or SamplingParams()
+            self.output_processor.add_request(
+                request_id, text, params, engine_requests, RequestOutputKind.FINAL_ONLY
+            )
+            order[request_id] = i
+        results: list[RequestOutput | None] = [None] * len(batch)
+        try:
+            for _, _, engine_requests in batch:
+                for request in engine_requests:
+                    self.engine_core.add_request(request)
+            self._run_engine(order, results, use_tqdm)
+        except BaseException:
+            self._abort_unfinished(order)
+            raise
+        return results
+
+    def _run_engine(self, order: dict[str, int], results: list, use_tqdm: bool) -> None:
+        progress = tqdm(
+            total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
+        num_output_tokens = 0
+        with progress:
+            while self.output_processor.has_unfinished_requests():
+                if not self.engine_core.has_unfinished_requests():
+                    raise RuntimeError(
+                        "the engine core finished requests the front end still holds"
+                    )
+                outputs = self.engine_core.step()
+                stats = IterationStats()
+                processed = self.output_processor.process_outputs(outputs.outputs, stats)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                if outputs.scheduler_stats is not None:
+                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+                self.metrics.record_iteration(stats)
+                num_output_tokens += stats.num_generation_tokens
+                for output in processed.request_outputs:
+                    results[order[output.request_id]] = output
+                    progress.update(1)
+                if processed.request_outputs and use_tqdm:
+                    elapsed = progress.format_dict["elapsed"] or 1e-9
+                    progress.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+
+    def _abort_unfinished(self, order: dict[str, int]) -> None:
+        engine_ids, _ = self.output_processor.abort_requests(list(order))
+        if engine_ids:
+            self.engine_core.abort_requests(engine_ids)
+
+    def shutdown(self) -> None:
+        """Release the model and the KV cache."""
+        self.engine_core.shutdown()
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt or a list of prompts -> a list of str | list[int]."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts must be a string, token ids or a list of them, got {type(prompts).__name__}"
+        )
+    result = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompts[{i}] must hold 'prompt' or 'prompt_token_ids'")
+        result.append(prompt)
+    return result
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    if value is None or not isinstance(value, Sequence):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name} must be one value or one per prompt ({count}), got {len(value)}")
+    return list(value)

@@ -1,0 +1,109 @@
+"""Prometheus metrics of one engine, with vLLM's metric names under ``ember:``.
+
+Each ``EngineMetrics`` owns its own ``CollectorRegistry`` (several engines can live in one
+process, as in tests); the HTTP app serves it with ``render()``. The front end feeds it: request
+latencies and token counts from its output processing (``IterationStats``), gauges and counters
+from the engine core's ``SchedulerStats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ember_scheduler.engine_types import SchedulerStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What the front end saw while processing one batch of engine outputs."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+    e2e_latencies: list[float] = dataclasses.field(default_factory=list)
+    finished_reasons: list[str] = dataclasses.field(default_factory=list)
+
+
+class EngineMetrics:
+    """The ``ember:*`` collectors of one engine, labelled with its served model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("ember:num_requests_running", "Requests in the batch.")
+        self.num_requests_waiting = gauge("ember:num_requests_waiting", "Requests waiting.")
+        self.kv_cache_usage_perc = gauge(
+            "ember:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = all)."
+        )
+        self.prefix_cache_queries = counter(
+            "ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "ember:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter("ember:num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("ember:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("ember:generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "ember:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "ember:inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "ember:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            _REQUEST_BUCKETS,
+        )
+        self._request_success = Counter(
+            "ember:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._model_name = model_name
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running_reqs)
+        self.num_requests_waiting.set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+
+    def record_iteration(self, stats: IterationStats) -> None:
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(value)
+        for value in stats.inter_token_latencies:
+            self.inter_token_latency.observe(value)
+        for value in stats.e2e_latencies:
+            self.e2e_request_latency.observe(value)
+        for reason in stats.finished_reasons:
+            self._request_success.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector (serve with ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""What the front end needs to know about the model: context length, vocabulary, EOS ids."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember_server.engine_args import EngineArgs
+
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The resolved model settings of an engine (from ``EngineArgs`` and the model's config)."""
+
+    model: str
+    tokenizer: str
+    served_model_name: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_id: int | None  # the one the scheduler checks
+    extra_eos_token_ids: tuple[int, ...]  # further EOS ids from generation_config.json
+    bos_token_id: int | None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> ModelConfig:
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            hf_config = AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"EngineArgs.model {args.model!r} is not a model folder: {exc}"
+            ) from exc
+        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        model_max = getattr(text_config, "max_position_embeddings", None)
+        max_model_len = args.max_model_len or model_max
+        if max_model_len is None:
+            raise ValueError("EngineArgs.max_model_len must be given: the model's config has none")
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(
+                f"EngineArgs.max_model_len ({max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_max})"
+            )
+        eos_ids = _as_ids(getattr(text_config, "eos_token_id", None))
+        try:
+            generation = GenerationConfig.from_pretrained(args.model)
+            eos_ids = eos_ids + [i for i in _as_ids(generation.eos_token_id) if i not in eos_ids]
+        except OSError:  # no generation_config.json
+            pass
+        return cls(
+            model=args.model,
+            tokenizer=args.tokenizer or args.model,
+            served_model_name=args.model_name,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens
+            or max(max_model_len, _DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            vocab_size=text_config.vocab_size,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            extra_eos_token_ids=tuple(eos_ids[1:]),
+            bos_token_id=getattr(text_config, "bos_token_id", None),
+        )
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]

@@ -1,0 +1,278 @@
+"""Turning the engine core's per-step token diffs into ``RequestOutput``s.
+
+Per sequence it detokenizes incrementally, applies stop strings (a sequence ended by one is
+reported for abort in the engine core), converts logprobs, and times the request for metrics.
+The ``n`` sequences of one request are gathered under their parent's id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from ember_scheduler.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ember_scheduler.outputs import Logprobs
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.detokenizer import IncrementalDetokenizer
+from ember_server.logprobs import LogprobsDecoder
+from ember_server.metrics import IterationStats
+from ember_server.outputs import (
+    CompletionOutput,
+    PromptLogprobs,
+    RequestOutput,
+    RequestOutputKind,
+    SampleLogprobs,
+)
+
+
+class ParentRequest:
+    """The front end's view of one request and its ``n`` sequences."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: RequestOutputKind,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_kind = output_kind
+        self.latest: list[CompletionOutput | None] = [None] * params.n
+        self.num_unfinished = params.n
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprobs_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def make_output(self, child: CompletionOutput) -> RequestOutput | None:
+        """Record a sequence's output; return what the caller should see now, if anything."""
+        if child.finish_reason is not None:
+            self.num_unfinished -= 1
+        kind = self.output_kind
+        if kind == RequestOutputKind.DELTA:
+            outputs = [child]
+            prompt_logprobs = None if self.prompt_logprobs_sent else self.prompt_logprobs
+            self.prompt_logprobs_sent = prompt_logprobs is not None
+        else:
+            self.latest[child.index] = child
+            if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+                return None
+            outputs = [o for o in self.latest if o is not None]
+            prompt_logprobs = self.prompt_logprobs
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class RequestState:
+    """One sequence in flight: its detokenizer, logprobs so far and timing."""
+
+    def __init__(
+        self,
+        parent: ParentRequest,
+        index: int,
+        detokenizer: IncrementalDetokenizer,
+        wants_logprobs: bool,
+        wants_prompt_logprobs: bool,
+        arrival_time: float,
+    ) -> None:
+        self.parent = parent
+        self.index = index
+        self.detokenizer = detokenizer
+        self.logprobs: SampleLogprobs | None = [] if wants_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
+        self.prompt_logprob_rows: Logprobs | None = (
+            Logprobs([], [], []) if wants_prompt_logprobs else None
+        )
+        self.arrival_time = arrival_time  # time.monotonic()
+        self.last_token_time: float | None = None
+
+
+@dataclasses.dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine request ids ended by a stop string
+
+
+class OutputProcessor:
+    """Holds the front-end state of every request in flight (keyed by engine request id)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.logprobs_decoder = LogprobsDecoder(tokenizer)
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+        self._children: dict[str, list[str]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        engine_requests: list[EngineCoreRequest],
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        if request_id in self.parent_requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        prompt_token_ids = engine_requests[0].prompt_token_ids
+        parent = ParentRequest(request_id, prompt, prompt_token_ids, params, output_kind)
+        now = time.monotonic()
+        for index, request in enumerate(engine_requests):
+            self.request_states[request.request_id] = RequestState(
+                parent,
+                index,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, request.sampling_params),
+                wants_logprobs=params.logprobs is not None,
+                wants_prompt_logprobs=request.sampling_params.prompt_logprobs is not None,
+                arrival_time=now,
+            )
+        self.parent_requests[request_id] = parent
+        self._children[request_id] = [r.request_id for r in engine_requests]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parent_requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parent_requests)
+
+    def engine_request_ids(self, request_id: str) -> list[str]:
+        """The unfinished engine request ids of a front-end request (none if unknown)."""
+        return [c for c in self._children.get(request_id, ()) if c in self.request_states]
+
+    def abort_requests(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
+        """Forget requests; return their unfinished engine ids and their final aborted outputs."""
+        engine_ids: list[str] = []
+        finals: list[RequestOutput] = []
+        for request_id in request_ids:
+            parent = self.parent_requests.pop(request_id, None)
+            children = self._children.pop(request_id, [])
+            final = None
+            for child_id in children:
+                state = self.request_states.pop(child_id, None)
+                if state is None:
+                    continue
+                engine_ids.append(child_id)
+                output = self._completion_output(
+                    state, [], None, FinishReason.ABORT, None, finished=True
+                )
+                final = parent.make_output(output) or final
+            if final is not None:
+                finals.append(final)
+        return engine_ids, finals
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
+    ) -> OutputProcessorOutput:
+        now = time.monotonic()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:  # aborted by the front end meanwhile
+                continue
+            parent = state.parent
+            new_ids = out.new_token_ids
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if finish_reason == FinishReason.IGNORED:
+                # The input checks should make this unreachable; never leave a caller waiting.
+                finish_reason, stop_reason = FinishReason.LENGTH, out.finish_detail
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs is not None and state.prompt_logprob_rows is not None:
+                state.prompt_logprob_rows.extend(out.new_prompt_logprobs)
+            stop_string = state.detokenizer.update(
+                new_ids, stop_terminated=finish_reason == FinishReason.STOP
+            )
+            if stop_string is not None:
+                if finish_reason is None:
+                    reqs_to_abort.append(out.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+            if not new_ids and finish_reason is None:
+                continue  # a prefill chunk: nothing to report yet
+            if state.prompt_logprob_rows is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = self.logprobs_decoder.prompt_logprobs(
+                    state.prompt_logprob_rows
+                )
+            new_logprobs = None
+            if out.new_logprobs is not None and state.logprobs is not None:
+                new_logprobs, total = self.logprobs_decoder.sample_logprobs(out.new_logprobs)
+                state.logprobs.extend(new_logprobs)
+                state.cumulative_logprob += total
+            if iteration_stats is not None:
+                self._record(state, len(new_ids), finish_reason, now, iteration_stats)
+            finished = finish_reason is not None
+            if finished:
+                del self.request_states[out.request_id]
+            elif parent.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to assemble until the end
+            completion = self._completion_output(
+                state, new_ids, new_logprobs, finish_reason, stop_reason, finished
+            )
+            request_output = parent.make_output(completion)
+            if parent.finished:
+                del self.parent_requests[parent.request_id]
+                del self._children[parent.request_id]
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+
+    def _completion_output(
+        self,
+        state: RequestState,
+        new_ids: list[int],
+        new_logprobs: SampleLogprobs | None,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        finished: bool,
+    ) -> CompletionOutput:
+        delta = state.parent.output_kind == RequestOutputKind.DELTA
+        detokenizer = state.detokenizer
+        if delta:
+            token_ids = list(new_ids)
+            logprobs = (new_logprobs or []) if state.logprobs is not None else None
+        else:
+            token_ids = list(detokenizer.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        return CompletionOutput(
+            index=state.index,
+            text=detokenizer.get_next_output_text(finished, delta),
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=None if finish_reason is None else str(finish_reason),
+            stop_reason=stop_reason,
+        )
+
+    @staticmethod
+    def _record(
+        state: RequestState,
+        num_new_tokens: int,
+        finish_reason: FinishReason | None,
+        now: float,
+        stats: IterationStats,
+    ) -> None:
+        if num_new_tokens:
+            stats.num_generation_tokens += num_new_tokens
+            if state.last_token_time is None:
+                stats.time_to_first_tokens.append(now - state.arrival_time)
+                if state.index == 0:
+                    stats.num_prompt_tokens += len(state.parent.prompt_token_ids)
+            else:
+                stats.inter_token_latencies.append(now - state.last_token_time)
+            state.last_token_time = now
+        if finish_reason is not None:
+            stats.e2e_latencies.append(now - state.arrival_time)
+            stats.finished_reasons.append(str(finish_reason))

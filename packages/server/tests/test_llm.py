@@ -1,0 +1,166 @@
+"""The offline LLM API on tiny random-weight models."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.llm import LLM
+
+PROMPTS = ["def foo(", "Grüße aus Köln", "import json\nclass", "x = [1, 2"]
+KV_BYTES = 8 * 1024**2
+
+
+@pytest.fixture(scope="module")
+def llama_path(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    engine = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def _hf_greedy(path, prompt_ids, max_new_tokens):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_greedy_equals_transformers_and_keeps_input_order(llm, llama_path):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    tokenizer = llm.get_tokenizer()
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.finished
+        assert output.prompt_token_ids == tokenizer(prompt).input_ids
+        (completion,) = output.outputs
+        assert completion.token_ids == _hf_greedy(llama_path, output.prompt_token_ids, 10)
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.finish_reason == "length"
+
+
+def test_token_id_prompts_and_per_prompt_params(llm):
+    ids = llm.get_tokenizer()("def foo(").input_ids
+    outputs = llm.generate(
+        [ids, {"prompt_token_ids": ids}, {"prompt": "def foo("}],
+        [SamplingParams(temperature=0, max_tokens=n) for n in (3, 5, 7)],
+        use_tqdm=False,
+    )
+    assert [o.prompt for o in outputs] == [None, None, "def foo("]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5, 7]
+    # Same prompt, greedy: the shorter outputs are prefixes of the longer ones.
+    assert outputs[2].outputs[0].token_ids[:5] == outputs[1].outputs[0].token_ids
+
+
+def test_n2_shares_the_prompt_through_the_prefix_cache(llm):
+    prompt = "import json\nclass Decoder(object):\n    def decode(self, s):"
+    hits_before = llm.metrics.prefix_cache_hits._value.get()
+    (output,) = llm.generate(
+        prompt, SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6), use_tqdm=False
+    )
+    assert [c.index for c in output.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 for c in output.outputs)
+    assert output.outputs[0].token_ids != output.outputs[1].token_ids
+    num_prompt = len(output.prompt_token_ids)
+    # The second sequence found every full block of the prompt already cached.
+    assert output.num_cached_tokens == (num_prompt - 1) // 4 * 4 > 0
+    assert llm.metrics.prefix_cache_hits._value.get() - hits_before >= output.num_cached_tokens
+    again = llm.generate(
+        prompt, SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6), use_tqdm=False
+    )[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
+
+
+def test_logprobs_match_transformers(llm, llama_path):
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    (output,) = llm.generate("def foo(", params, use_tqdm=False)
+    completion = output.outputs[0]
+    ids = output.prompt_token_ids + completion.token_ids
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    num_prompt = len(output.prompt_token_ids)
+    assert len(completion.logprobs) == 4
+    total = 0.0
+    for step, entry in enumerate(completion.logprobs):
+        row = reference[num_prompt - 1 + step]
+        chosen = completion.token_ids[step]
+        assert entry[chosen].rank == 1  # greedy picks the most likely token
+        assert entry[chosen].logprob == pytest.approx(row[chosen].item(), abs=1e-4)
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(top) <= set(entry)
+        assert entry[top[1]].rank == 2
+        assert entry[chosen].decoded_token == llm.get_tokenizer().decode([chosen])
+        total += entry[chosen].logprob
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == num_prompt
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        token = output.prompt_token_ids[position]
+        assert entry[token].logprob == pytest.approx(
+            reference[position - 1, token].item(), abs=1e-4
+        )
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "Say hi"}]
+    (output,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert output.prompt == expected
+    assert output.prompt_token_ids == tokenizer(expected, add_special_tokens=False).input_ids
+    assert output.prompt_token_ids[0] == tokenizer.bos_token_id  # from the template, not doubled
+    assert output.prompt_token_ids[1] != tokenizer.bos_token_id
+    two = llm.chat(
+        [messages, messages], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in two] == [output.outputs[0].token_ids] * 2
+
+
+def test_stop_string_ends_generation_and_frees_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate("def foo(", params, use_tqdm=False)[0].outputs[0]
+    stop = full.text[3:6]
+    assert stop and stop not in full.text[:3]
+    cut = llm.generate("def foo(", params.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    kept = llm.generate(
+        "def foo(", params.clone(stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+    assert llm.engine_core.kv_cache_manager.usage == 0.0
+    assert not llm.engine_core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "field"),
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt_token_ids"),
+        ([5, 99999], {}, "prompt_token_ids"),
+        ("a " * 400, {}, "context length"),
+        ("hi", {"stop_token_ids": [5000]}, "stop_token_ids"),
+    ],
+)
+def test_bad_input_raises_before_anything_runs(llm, prompt, kwargs, field):
+    params = SamplingParams(max_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
+    assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_progress_bar_over_a_batch(llm, capsys):
+    outputs = llm.generate(PROMPTS * 4, SamplingParams(max_tokens=3), use_tqdm=True)
+    assert len(outputs) == 16
+    assert "Processed prompts" in capsys.readouterr().err
