@@ -8,6 +8,7 @@ is never used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
@@ -64,12 +65,14 @@ class BlockHashExtras:
         if not all(isinstance(item, MultiModalItem) for item in items):
             raise ValueError("BlockHashExtras.mm_items must hold MultiModalItem objects")
         object.__setattr__(self, "mm_items", items)
+        lora_keys = (("lora", self.lora_name),) if self.lora_name is not None else ()
+        object.__setattr__(self, "_lora_keys", lora_keys)
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[ExtraKey, ...]:
         """The extra keys that enter the hash of block ``block_index``."""
-        keys: list[ExtraKey] = []
-        if self.lora_name is not None:
-            keys.append(("lora", self.lora_name))
+        if not self.mm_items and block_index:
+            return self._lora_keys
+        keys = list(self._lora_keys)
         start = block_index * block_size
         end = start + block_size
         for item in self.mm_items:
@@ -80,8 +83,12 @@ class BlockHashExtras:
         return tuple(keys)
 
 
-def encode_extra_keys(keys: Sequence[ExtraKey]) -> bytes:
-    """Canonical bytes of a block's extra keys: a tag byte, then length-prefixed fields."""
+@functools.lru_cache(maxsize=4096)
+def encode_extra_keys(keys: tuple[ExtraKey, ...]) -> bytes:
+    """Canonical bytes of a block's extra keys: a tag byte, then length-prefixed fields.
+
+    Cached: the same adapter or salt recurs in block after block.
+    """
     parts: list[bytes] = []
     for key in keys:
         kind = key[0]
@@ -155,7 +162,7 @@ class BlockHasher:
             tokens = self._tokens_struct.pack(*token_ids)
         except struct.error as exc:
             raise ValueError(f"token_ids must be ints in [0, 2**32): {exc}") from None
-        extra = encode_extra_keys(extra_keys) if extra_keys else b""
+        extra = encode_extra_keys(tuple(extra_keys)) if extra_keys else b""
         return self._digest(parent_hash + self._token_count_prefix + tokens + extra)
 
     def hash_prefix(

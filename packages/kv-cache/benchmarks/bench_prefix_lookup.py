@@ -1,0 +1,56 @@
+"""Cost of a prefix-cache lookup for a 32k-token prompt (block_size 16).
+
+Baseline, measured in the same run: the naive manager (``naive_baseline.py``), which hashes each
+block's whole prefix anew instead of chaining block hashes. Prints milliseconds per lookup for a
+full hit (every block but the last cached) and for a miss on the first block, and the speed-up.
+
+Run: python3 benchmarks/bench_prefix_lookup.py
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from naive_baseline import NaiveKVCacheManager
+
+from ember_kv_cache import KVCacheManager
+
+PROMPT_TOKENS, BLOCK_SIZE = 32 * 1024, 16
+NUM_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE + 16
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    rng = random.Random(0)
+    prompt = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    other = [rng.randrange(128_000) for _ in range(PROMPT_TOKENS)]
+    ours = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+    naive = NaiveKVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+    ours.allocate_slots("warm", prompt, PROMPT_TOKENS)
+    naive.allocate_slots("warm", prompt, PROMPT_TOKENS)
+    hit = ours.get_computed_blocks("probe", prompt)
+    assert hit.num_computed_tokens == PROMPT_TOKENS - BLOCK_SIZE
+    assert len(naive.get_computed_blocks(prompt)) == len(hit.block_ids)
+
+    print(f"prefix lookup, {PROMPT_TOKENS} token prompt, block_size {BLOCK_SIZE}")
+    print(f"{'case':>10} {'ember ms':>10} {'naive ms':>10} {'speed-up':>9}")
+    for case, tokens, repeats, naive_repeats in (
+        ("full hit", prompt, 10, 1),
+        ("miss", other, 200, 200),
+    ):
+        t_ours = _best_seconds(lambda t=tokens: ours.get_computed_blocks("probe", t), repeats)
+        t_naive = _best_seconds(lambda t=tokens: naive.get_computed_blocks(t), naive_repeats)
+        print(f"{case:>10} {t_ours * 1e3:>10.3f} {t_naive * 1e3:>10.3f} {t_naive / t_ours:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
