@@ -216,3 +216,29 @@ def test_bad_token_ids_in_a_new_block_change_nothing():
     assert mgr.num_free_blocks == 7
     with pytest.raises(ValueError, match="unknown request"):
         mgr.free("a")
+
+
+def test_extras_are_fixed_at_the_first_allocation():
+    mgr = KVCacheManager(8, BLOCK)
+    extras = BlockHashExtras(lora_name="sql")
+    mgr.allocate_slots("a", [1, 2, 3], 3, extras=extras)
+    assert mgr.allocate_slots("a", [1, 2, 3, 4], 1, num_computed_tokens=3) == []
+    assert mgr.allocate_slots("a", [1, 2, 3, 4], 1, num_computed_tokens=3, extras=extras) == []
+    with pytest.raises(ValueError, match="extras"):
+        mgr.allocate_slots(
+            "a", [1, 2, 3, 4], 1, num_computed_tokens=3, extras=BlockHashExtras(lora_name="x")
+        )
+
+
+def test_common_path_returns_no_blocks_until_a_block_fills():
+    mgr = KVCacheManager(8, BLOCK)
+    tokens = [1, 2]
+    mgr.allocate_slots("a", tokens, 2)
+    tokens.append(3)
+    assert mgr.allocate_slots("a", tokens, 1, num_computed_tokens=2) == []
+    assert mgr.block_pool.cached_block_hash_to_block == {}
+    tokens.append(4)
+    assert mgr.allocate_slots("a", tokens, 1, num_computed_tokens=3) == []
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 1  # the block filled: cached
+    tokens.append(5)
+    assert mgr.allocate_slots("a", tokens, 1, num_computed_tokens=4) == [2]
