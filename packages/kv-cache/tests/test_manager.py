@@ -242,3 +242,21 @@ def test_common_path_returns_no_blocks_until_a_block_fills():
     assert len(mgr.block_pool.cached_block_hash_to_block) == 1  # the block filled: cached
     tokens.append(5)
     assert mgr.allocate_slots("a", tokens, 1, num_computed_tokens=4) == [2]
+
+
+def test_hit_must_be_taken_over_with_the_lookup_extras():
+    mgr = KVCacheManager(8, BLOCK)
+    extras = BlockHashExtras(cache_salt="s")
+    run_prefill(mgr, "a", list(range(9)), extras=extras)
+    hit = mgr.get_computed_blocks("b", list(range(9)), extras)
+    with pytest.raises(ValueError, match="extras"):
+        mgr.allocate_slots("b", list(range(9)), 1, computed=hit)
+    assert len(mgr.allocate_slots("b", list(range(9)), 1, computed=hit, extras=extras)) == 1
+
+
+def test_numpy_integer_counts_are_accepted():
+    np = pytest.importorskip("numpy")
+    mgr = KVCacheManager(8, BLOCK)
+    tokens = np.arange(6)
+    assert mgr.allocate_slots("a", tokens, np.int64(6), num_lookahead_tokens=np.int32(1)) == [1, 2]
+    assert mgr.get_computed_blocks("b", np.arange(9)).num_computed_tokens == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class ComputedBlocks:
     num_computed_tokens: int
     blocks: tuple[KVCacheBlock, ...] = field(default=(), repr=False)
     block_hashes: tuple[bytes, ...] = field(default=(), repr=False)
+    extras: BlockHashExtras | None = field(default=None, repr=False)
 
 
 class _RequestBlocks:
@@ -112,7 +114,11 @@ class KVCacheManager:
         num_hit_tokens = len(blocks) * size
         self._stats.record(len(token_ids), num_hit_tokens)
         return ComputedBlocks(
-            [block.block_id for block in blocks], num_hit_tokens, tuple(blocks), tuple(hashes)
+            [block.block_id for block in blocks],
+            num_hit_tokens,
+            tuple(blocks),
+            tuple(hashes),
+            extras,
         )
 
     def allocate_slots(
@@ -175,7 +181,7 @@ class KVCacheManager:
             ("num_computed_tokens", num_computed_tokens),
             ("num_lookahead_tokens", num_lookahead_tokens),
         ):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, numbers.Integral) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if extras is not None and not isinstance(extras, BlockHashExtras):
             raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
@@ -193,7 +199,7 @@ class KVCacheManager:
                     f"computed blocks can only be taken over by a new request; "
                     f"{request_id!r} already holds blocks"
                 )
-            self._check_computed(computed)
+            self._check_computed(computed, extras)
             hit_blocks = computed.blocks
             computed_hashes = computed.block_hashes
         if state is not None and extras is not None and extras != state.extras:
@@ -237,13 +243,15 @@ class KVCacheManager:
             self._cache_full_blocks(state, new_full_blocks)
         return new_block_ids
 
-    def _check_computed(self, computed: ComputedBlocks) -> None:
+    def _check_computed(self, computed: ComputedBlocks, extras: BlockHashExtras | None) -> None:
         if (
             len(computed.blocks) != len(computed.block_hashes)
             or len(computed.blocks) != len(computed.block_ids)
             or computed.num_computed_tokens != len(computed.blocks) * self.block_size
         ):
             raise ValueError("computed is not a ComputedBlocks returned by get_computed_blocks")
+        if computed.extras != extras:
+            raise ValueError("extras differ from the extras of the get_computed_blocks lookup")
         for block, block_hash in zip(computed.blocks, computed.block_hashes):
             if block.block_hash != block_hash:
                 raise ValueError(
