@@ -1,0 +1,28 @@
+"""Writing new keys and values into the paged KV cache, in torch."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value [num_tokens, kv_heads, head]`` to the slots in ``slot_mapping``.
+
+    A slot is ``block_id * block_size + offset``; a negative slot skips its token (padding).
+    """
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        slots, new_keys, new_values = slot_mapping, key, value
+    else:
+        slots, new_keys, new_values = slot_mapping[valid], key[valid], value[valid]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    key_cache[blocks, offsets] = new_keys
+    value_cache[blocks, offsets] = new_values

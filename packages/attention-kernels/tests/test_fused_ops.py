@@ -1,0 +1,109 @@
+"""RMSNorm, fused add + RMSNorm, SiLU-and-mul and reshape-and-cache against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ek_inputs import TOLERANCES, fresh_generator
+
+import ember_kernels as ek
+from ember_kernels import torch_ops
+from ember_kernels.reference import (
+    reshape_and_cache_reference,
+    rms_norm_reference,
+    silu_and_mul_reference,
+)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = {"torch": torch_ops}
+
+
+def assert_matches(actual, expected, dtype, seed):
+    assert not actual.isnan().any(), f"seed {seed}: unwritten or NaN output"
+    torch.testing.assert_close(
+        actual.double(), expected, **TOLERANCES[dtype], msg=lambda m: f"seed {seed}: {m}"
+    )
+
+
+def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float64 value of ``t`` after rounding to ``dtype`` (what the kernel actually sees)."""
+    return t.to(dtype).double()
+
+
+@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 80, 1000])
+def test_rms_norm(backend, dtype, hidden):
+    gen, seed = fresh_generator()
+    x = (torch.randn(7, hidden, generator=gen) * 3).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    assert backend.rms_norm(x, weight, 1e-6, out=out) is out
+    expected = rms_norm_reference(x.double(), weight.double(), 1e-6)
+    assert_matches(out, expected, dtype, seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm(backend, dtype):
+    gen, seed = fresh_generator()
+    x = torch.randn(5, 3, 96, generator=gen).to(dtype)
+    residual = torch.randn(5, 3, 96, generator=gen).to(dtype)
+    before = (x.clone(), residual.clone())
+    weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+    normed, new_residual = backend.fused_add_rms_norm(x, residual, weight, 1e-5)
+    total = rounded(x.double() + residual.double(), dtype)
+    assert_matches(new_residual, total, dtype, seed)
+    assert_matches(normed, rms_norm_reference(total, weight.double(), 1e-5), dtype, seed)
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul(backend, dtype):
+    gen, seed = fresh_generator()
+    x = (torch.randn(4, 6, 2 * 176, generator=gen) * 2).to(dtype)
+    out = torch.full((4, 6, 176), float("nan"), dtype=dtype)
+    assert backend.silu_and_mul(x, out=out) is out
+    assert_matches(out, silu_and_mul_reference(x.double()), dtype, seed)
+    assert_matches(backend.silu_and_mul(x), silu_and_mul_reference(x.double()), dtype, seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_reshape_and_cache_writes_only_mapped_slots(backend, dtype, block_size):
+    gen, seed = fresh_generator()
+    num_blocks, num_kv_heads, head_size, num_tokens = 6, 2, 80, 40
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:5]] = -1  # padding tokens
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    reshape_and_cache_reference(key, value, expected_keys, expected_values, slots)
+    backend.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_keys), f"seed {seed}"
+    assert torch.equal(value_cache, expected_values), f"seed {seed}"
+
+
+def test_reshape_and_cache_rejects_mismatched_shapes():
+    key = torch.zeros(3, 2, 64)
+    cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ek.reshape_and_cache(key, key, cache, cache, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="key_cache"):
+        ek.reshape_and_cache(key, key, cache[..., :32], cache[..., :32], torch.zeros(3).long())
+    with pytest.raises(ValueError, match="key_cache"):
+        ek.reshape_and_cache(key, key, cache.half(), cache.half(), torch.zeros(3).long())
+
+
+def test_norm_and_activation_reject_bad_shapes():
+    with pytest.raises(ValueError, match="weight"):
+        ek.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        ek.fused_add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="x"):
+        ek.silu_and_mul(torch.zeros(2, 7))

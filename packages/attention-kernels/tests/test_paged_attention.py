@@ -1,0 +1,158 @@
+"""Paged attention against the float64 reference, on fresh random batches each run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from ek_inputs import TOLERANCES, fresh_generator, make_paged_batch
+
+import ember_kernels as ek
+from ember_kernels import torch_ops
+from ember_kernels.reference import paged_attention_reference
+
+HEAD_SIZES = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (16, 32)
+GROUPS = (1, 2, 4, 8)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def mixed_lengths(block_size: int, long: int) -> list[tuple[int, int]]:
+    """(q_len, seq_len) pairs: decodes at the page edges and a long one, full and chunked prefills."""
+    b = block_size
+    return [
+        (1, 1),
+        (1, b - 1),
+        (1, b),
+        (1, b + 1),
+        (1, long),
+        (b - 1, b - 1),
+        (b, b),
+        (b + 1, b + 1),
+        (7, long),  # a chunk of a prefill whose earlier tokens are cached
+        (b + 3, 2 * b + 5),
+    ]
+
+
+def check(backend, lengths, *, group, head_size, block_size, dtype, window=None, soft_cap=None):
+    gen, seed = fresh_generator()
+    batch = make_paged_batch(
+        lengths,
+        num_kv_heads=2,
+        group=group,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        gen=gen,
+    )
+    scale = head_size**-0.5
+    out = torch.full_like(batch.query, float("nan"))
+    result = backend.paged_attention(
+        *batch.args, scale=scale, sliding_window=window, soft_cap=soft_cap, out=out
+    )
+    assert result is out
+    expected = paged_attention_reference(
+        *batch.as_float64(), scale=scale, sliding_window=window, soft_cap=soft_cap
+    )
+    assert not out.isnan().any(), f"seed {seed}: unwritten or NaN output"
+    torch.testing.assert_close(
+        out.double(), expected, **TOLERANCES[dtype], msg=lambda m: f"seed {seed}: {m}"
+    )
+
+
+WINDOW_AND_CAP = ((None, None), (37, None), (None, 30.0), (37, 30.0))
+
+
+# Every head size, block size and dtype; within each, every GQA ratio meets one of the four
+# window/soft-cap settings (the slow test below runs the whole product).
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_mixed_batch(head_size, block_size, dtype):
+    shift = HEAD_SIZES.index(head_size)
+    for i, group in enumerate(GROUPS):
+        window, soft_cap = WINDOW_AND_CAP[(i + shift) % len(WINDOW_AND_CAP)]
+        check(
+            torch_ops,
+            mixed_lengths(block_size, 300),
+            group=group,
+            head_size=head_size,
+            block_size=block_size,
+            dtype=dtype,
+            window=window,
+            soft_cap=soft_cap,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_mixed_batch_full_sweep(head_size, block_size, dtype):
+    for group, (window, soft_cap) in itertools.product(GROUPS, WINDOW_AND_CAP):
+        check(
+            torch_ops,
+            mixed_lengths(block_size, 700),
+            group=group,
+            head_size=head_size,
+            block_size=block_size,
+            dtype=dtype,
+            window=window,
+            soft_cap=soft_cap,
+        )
+
+
+@pytest.mark.parametrize("lengths", [[(1, 5), (1, 300), (1, 17)], [(40, 40)], [(3, 50), (9, 9)]])
+def test_torch_path_decode_only_and_prefill_only(lengths):
+    check(torch_ops, lengths, group=4, head_size=64, block_size=16, dtype=torch.float32)
+
+
+def test_sequence_without_new_tokens_is_skipped():
+    gen, _ = fresh_generator()
+    batch = make_paged_batch(
+        [(1, 20), (0, 10), (2, 30)],
+        num_kv_heads=1,
+        group=2,
+        head_size=64,
+        block_size=16,
+        dtype=torch.float32,
+        gen=gen,
+    )
+    out = ek.paged_attention(*batch.args, scale=0.125)
+    expected = paged_attention_reference(*batch.as_float64(), scale=0.125)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_public_function_dispatches_cpu_tensors_to_torch_path():
+    gen, _ = fresh_generator()
+    batch = make_paged_batch(
+        mixed_lengths(16, 40),
+        num_kv_heads=2,
+        group=2,
+        head_size=64,
+        block_size=16,
+        dtype=torch.float32,
+        gen=gen,
+    )
+    via_public = ek.paged_attention(*batch.args, scale=0.125, max_query_len=17, max_seq_len=40)
+    via_torch = torch_ops.paged_attention(*batch.args, scale=0.125)
+    torch.testing.assert_close(via_public, via_torch, rtol=0, atol=0)
+
+
+def test_bad_arguments_raise_value_error_naming_the_field():
+    gen, _ = fresh_generator()
+    batch = make_paged_batch(
+        [(2, 4)], num_kv_heads=2, group=1, head_size=64, block_size=16, dtype=torch.float32, gen=gen
+    )
+    q, kc, vc, bt, qsl, sl = batch.args
+    with pytest.raises(ValueError, match="num_q_heads"):
+        ek.paged_attention(q[:, :1].expand(-1, 3, -1), kc, vc, bt, qsl, sl, scale=1.0)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ek.paged_attention(q, kc, vc, bt, qsl[:1], sl, scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ek.paged_attention(q, kc, vc, bt, qsl, sl - 3, scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ek.paged_attention(q, kc, vc, bt, qsl, sl, scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="out"):
+        ek.paged_attention(q, kc, vc, bt, qsl, sl, scale=1.0, out=q.half())
