@@ -10,7 +10,12 @@ from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
-from ember_worker.sampling_ops import apply_min_p_, apply_penalties_, apply_top_k_top_p
+from ember_worker.sampling_ops import (
+    apply_min_p_,
+    apply_penalties_,
+    inverse_cdf_sample,
+    top_k_top_p_candidates,
+)
 
 VOCAB = 40
 
@@ -23,20 +28,36 @@ def kept(row: torch.Tensor) -> set[int]:
     return set(torch.isfinite(row).nonzero().squeeze(1).tolist())
 
 
+def kept_candidates(values: torch.Tensor, token_ids: torch.Tensor, row: int) -> set[int]:
+    assert (values[row, :-1] >= values[row, 1:]).all()  # descending
+    return set(token_ids[row][torch.isfinite(values[row])].tolist())
+
+
 def test_top_k_keeps_the_k_largest_per_row():
     logits = random_logits(4, 0)
     top_k = torch.tensor([1, 5, 0, VOCAB + 3])
-    out = apply_top_k_top_p(logits, top_k, None)
+    values, ids = top_k_top_p_candidates(logits, top_k, None)
     for row, k in enumerate(top_k.tolist()):
         expected = set(logits[row].topk(min(k, VOCAB) if k else VOCAB).indices.tolist())
-        assert kept(out[row]) == expected
-        assert torch.equal(out[row][list(expected)], logits[row][list(expected)])
+        assert kept_candidates(values, ids, row) == expected
+        finite = torch.isfinite(values[row])
+        assert torch.equal(values[row][finite], logits[row][ids[row][finite]])
+
+
+def test_top_k_ranks_only_the_largest_k_when_every_row_has_one():
+    logits = random_logits(3, 7)
+    values, ids = top_k_top_p_candidates(
+        logits, torch.tensor([2, 6, 4]), torch.tensor([1.0, 0.5, 1.0])
+    )
+    assert values.shape == (3, 6)
+    for row, k in enumerate([2, 6, 4]):
+        assert ids[row, :k].tolist() == logits[row].topk(k).indices.tolist()
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = random_logits(4, 1)
     top_p = torch.tensor([0.1, 0.5, 0.9, 1.0])
-    out = apply_top_k_top_p(logits, None, top_p)
+    values, ids = top_k_top_p_candidates(logits, None, top_p)
     for row, p in enumerate(top_p.tolist()):
         probs = logits[row].double().softmax(-1)
         order = probs.argsort(descending=True).tolist()
@@ -46,16 +67,40 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
             mass += probs[token].item()
             if mass >= p - 1e-6:
                 break
-        assert kept(out[row]) == expected
+        assert kept_candidates(values, ids, row) == expected
 
 
 def test_top_k_then_top_p_renormalizes_over_the_top_k():
     logits = random_logits(1, 2)
-    out = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.6]))
+    values, ids = top_k_top_p_candidates(logits, torch.tensor([3]), torch.tensor([0.6]))
     top3 = logits[0].topk(3)
     probs = top3.values.softmax(-1)
     n = 1 if probs[0] >= 0.6 else 2 if probs[0] + probs[1] >= 0.6 else 3
-    assert kept(out[0]) == set(top3.indices[:n].tolist())
+    assert kept_candidates(values, ids, 0) == set(top3.indices[:n].tolist())
+
+
+@pytest.mark.parametrize("width,chunk", [(700, 256), (512, 64), (5, 256)])
+def test_two_level_inverse_cdf_matches_a_flat_cumulative_sum(width, chunk):
+    g = torch.Generator().manual_seed(width)
+    # integer weights with many zeros (and zero chunks): every sum is exact, so both agree
+    weights = torch.randint(0, 4, (3, width), generator=g).float()
+    weights[:, : width // 3] = 0
+    weights[:, -1] = 1
+    uniform = torch.rand(3, 400, generator=g, dtype=torch.float64)
+    flat = weights.double().cumsum(-1)
+    for j in range(400):
+        u = uniform[:, j]
+        expected = torch.searchsorted(flat, (u * flat[:, -1])[:, None], right=True)[:, 0]
+        got = inverse_cdf_sample(weights, u, chunk=chunk)
+        assert torch.equal(got, expected)
+        assert (weights.gather(1, got[:, None]) > 0).all()
+
+
+def test_inverse_cdf_never_picks_zero_probability_entries():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    for u in (0.0, 0.25, 0.4999999, 0.5, 0.9999999999):
+        picks = inverse_cdf_sample(probs, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert picks[0] == (1 if u < 0.5 else 3) and picks[1] == 4
 
 
 def test_min_p_masks_tokens_below_a_fraction_of_the_top():
@@ -165,12 +210,12 @@ def test_masked_tokens_are_never_sampled(temperature):
         batch.add_request(NewRequestData(f"r{i}", [1], [], params, [0], 0))
     logits = random_logits(1, 6).expand(rows, VOCAB).clone()
     out = Sampler()(logits, batch.sampling_metadata())
-    allowed = apply_top_k_top_p(
+    values, ids = top_k_top_p_candidates(
         apply_min_p_(logits[:1] / (temperature or 1.0), torch.tensor([0.05])),
         torch.tensor([4]),
         torch.tensor([0.8]),
     )
     if temperature:
-        assert set(out.sampled_token_ids.tolist()) <= kept(allowed[0])
+        assert set(out.sampled_token_ids.tolist()) <= kept_candidates(values, ids, 0)
     else:
         assert set(out.sampled_token_ids.tolist()) == {int(logits[0].argmax())}

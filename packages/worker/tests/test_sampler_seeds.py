@@ -9,7 +9,7 @@ from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
-from ember_worker.sampling_random import seeded_exponential
+from ember_worker.sampling_random import seeded_uniform
 
 VOCAB = 64
 MAX_LEN = 64
@@ -88,27 +88,24 @@ def test_different_seeds_give_different_samples():
     assert out["a"] != out["b"]
 
 
-def test_seeded_noise_is_exponential_and_uncorrelated():
-    seeds = torch.arange(200, dtype=torch.int64) * 1_000_003 - 5
-    noise = seeded_exponential(seeds, torch.zeros(200, dtype=torch.int64), 500)
-    assert noise.shape == (200, 500) and (noise > 0).all()
-    assert abs(noise.mean().item() - 1.0) < 0.02
-    assert abs(noise.var().item() - 1.0) < 0.05
-    uniform = torch.exp(-noise)
-    # neighbouring tokens, neighbouring seeds and consecutive steps are uncorrelated
-    assert (
-        abs(
-            torch.corrcoef(torch.stack([uniform[:, :-1].flatten(), uniform[:, 1:].flatten()]))[0, 1]
-        )
-        < 0.02
-    )
-    assert (
-        abs(torch.corrcoef(torch.stack([uniform[:-1].flatten(), uniform[1:].flatten()]))[0, 1])
-        < 0.02
-    )
-    next_step = torch.exp(-seeded_exponential(seeds, torch.ones(200, dtype=torch.int64), 500))
-    assert abs(torch.corrcoef(torch.stack([uniform.flatten(), next_step.flatten()]))[0, 1]) < 0.02
-    assert torch.equal(noise, seeded_exponential(seeds, torch.zeros(200, dtype=torch.int64), 500))
+def test_seeded_uniforms_are_uniform_and_uncorrelated():
+    n = 20_000
+    seeds = torch.arange(n, dtype=torch.int64) * 1_000_003 - 5
+    zero = torch.zeros(n, dtype=torch.int64)
+    u = seeded_uniform(seeds, zero)
+    assert u.dtype == torch.float64 and ((u > 0) & (u < 1)).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert (counts - n / 10).abs().max() < 0.1 * n / 10
+
+    def corr(a, b):
+        return abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item())
+
+    assert corr(u[:-1], u[1:]) < 0.03  # neighbouring seeds
+    steps = seeded_uniform(torch.full((n,), 11), torch.arange(n))
+    assert corr(steps[:-1], steps[1:]) < 0.03  # consecutive steps of one seed
+    assert corr(u, seeded_uniform(seeds, zero + 1)) < 0.03
+    assert torch.equal(u, seeded_uniform(seeds, zero))
 
 
 def test_seeded_samples_follow_the_distribution():

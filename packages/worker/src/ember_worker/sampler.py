@@ -2,8 +2,9 @@
 
 Order per step (as vLLM v1): logprobs of the raw logits (the model's distribution) for rows that
 asked; penalties; greedy rows take the argmax; the others divide by temperature, then min-p,
-top-k, top-p, and draw by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``, where a
-seeded row's ``E`` comes from ``sampling_random`` and the others' from torch's generator.
+top-k, top-p, and draw one token by inverse CDF from a single uniform per row. A seeded row's
+uniform comes from ``sampling_random`` (a hash of seed and output length), the others' from
+torch's generator; one number per row, not per vocabulary entry, keeps the draw cheap.
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ import torch
 
 from ember_scheduler.outputs import Logprobs
 from ember_worker.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
-from ember_worker.sampling_ops import apply_min_p_, apply_penalties_, apply_top_k_top_p
-from ember_worker.sampling_random import seeded_exponential
+from ember_worker.sampling_ops import (
+    apply_min_p_,
+    apply_penalties_,
+    argmax_rows,
+    inverse_cdf_sample,
+    softmax_weights,
+    top_k_top_p_candidates,
+)
+from ember_worker.sampling_random import seeded_uniform
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
 
@@ -52,7 +60,7 @@ class Sampler:
                 metadata.frequency_penalties,
                 metadata.repetition_penalties,
             )
-        sampled = logits.argmax(dim=-1) if metadata.all_greedy else self._sample(logits, metadata)
+        sampled = argmax_rows(logits) if metadata.all_greedy else self._sample(logits, metadata)
 
         logprobs, rows = None, []
         if metadata.max_num_logprobs is not None:
@@ -68,20 +76,23 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         temperature = metadata.temperature
         greedy = temperature < GREEDY_TEMPERATURE
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if metadata.all_random else argmax_rows(logits)
         logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
         if metadata.min_p is not None:
             logits = apply_min_p_(logits, metadata.min_p)
+        candidate_ids = None
         if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+            logits, candidate_ids = top_k_top_p_candidates(logits, metadata.top_k, metadata.top_p)
+        uniform = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device)
         if metadata.has_seed is not None:
-            seeded = metadata.has_seed.nonzero().squeeze(1)
-            noise[seeded] = seeded_exponential(
-                metadata.seeds[seeded], metadata.num_output_tokens[seeded], probs.shape[1]
+            seeded = metadata.has_seed
+            uniform = torch.where(
+                seeded, seeded_uniform(metadata.seeds, metadata.num_output_tokens), uniform
             )
-        random_ids = probs.div_(noise).argmax(dim=-1)
+        choice = inverse_cdf_sample(softmax_weights(logits), uniform)
+        random_ids = (
+            choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None])[:, 0]
+        )
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy, greedy_ids, random_ids)

@@ -1,12 +1,15 @@
-"""Batched logits transforms of the sampler: penalties, min-p, top-k and top-p.
+"""Batched logits transforms and the draw of the sampler.
 
-Each works on ``[num_reqs, vocab]`` float32 logits with one parameter per row, in place where it
-says so, and leaves rows whose parameter is neutral unchanged.
+Each works on ``[num_reqs, vocab]`` float32 logits with one parameter per row and leaves rows
+whose parameter is neutral unchanged.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+_NEG_INF = float("-inf")
 
 
 def apply_penalties_(
@@ -34,26 +37,78 @@ def apply_penalties_(
 
 
 def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's top probability."""
+    """Mask (in place) tokens whose probability is below ``min_p`` times the row's top one."""
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill_(probs < threshold, float("-inf"))
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def apply_top_k_top_p(
+def top_k_top_p_candidates(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (ties at the k-th kept), then the smallest
-    set of most likely tokens whose probability reaches ``top_p`` (at least one token)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidate tokens in descending order, ``(values, token_ids)`` of ``[n, C]``.
+
+    Keeps the ``top_k`` largest logits (0: all), then the smallest run of most likely of those
+    whose probability reaches ``top_p`` (at least one token); dropped candidates are ``-inf``.
+    When every row has a top-k, only ``max(top_k)`` candidates are ranked (``topk``), not the
+    whole vocabulary (a full sort).
+    """
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    k = None
+    width = vocab
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
-        kth_largest = sorted_logits.gather(1, (vocab - k)[:, None])
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+        width = int(k.max())
+    if width < vocab:
+        values, token_ids = logits.topk(width, dim=-1)
+    else:
+        values, token_ids = logits.sort(dim=-1, descending=True, stable=True)
+    if k is not None:
+        rank = torch.arange(width, device=logits.device)
+        values.masked_fill_(rank[None, :] >= k[:, None], _NEG_INF)
     if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1.0 - top_p)[:, None]
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        limit = torch.where(top_p >= 1.0, float("inf"), top_p)
+        drop = mass_before >= limit[:, None]
+        drop[:, 0] = False
+        values.masked_fill_(drop, _NEG_INF)
+    return values, token_ids
+
+
+def inverse_cdf_sample(
+    weights: torch.Tensor, uniform: torch.Tensor, chunk: int = 256
+) -> torch.Tensor:
+    """Index drawn from each row of non-negative ``weights`` (any scale) by its uniform in [0, 1).
+
+    Two levels, to avoid a cumulative sum over the whole vocabulary: pick a chunk of ``chunk``
+    entries by the cumulative sum of chunk totals, then an entry by the cumulative sum inside
+    that chunk, rescaled to it. Sums are float64; zero-weight entries are never chosen.
+    """
+    n, width = weights.shape
+    chunk = min(chunk, width)
+    if width % chunk:
+        weights = torch.nn.functional.pad(weights, (0, chunk - width % chunk))
+    chunks = weights.view(n, -1, chunk)
+    chunk_cum = chunks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    target = uniform.to(torch.float64) * chunk_cum[:, -1]
+    picked = torch.searchsorted(chunk_cum, target[:, None], right=True)
+    end = chunk_cum.gather(1, picked)[:, 0]
+    start = torch.where(picked[:, 0] > 0, chunk_cum.gather(1, (picked - 1).clamp(min=0))[:, 0], 0.0)
+    fraction = ((target - start) / (end - start)).clamp(max=1.0 - 2.0**-40)
+    rows = torch.arange(n, device=weights.device)
+    inside = chunks[rows, picked[:, 0]].to(torch.float64).cumsum(dim=-1)
+    offset = torch.searchsorted(inside, (fraction * inside[:, -1])[:, None], right=True)
+    return (picked * chunk + offset)[:, 0]
+
+
+def softmax_weights(logits: torch.Tensor) -> torch.Tensor:
+    """``exp(logits - row max)``: softmax without the normalization the draw does not need."""
+    return (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax (int64). On CPU numpy's SIMD argmax is many times faster than torch's."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
+    return logits.argmax(dim=-1)

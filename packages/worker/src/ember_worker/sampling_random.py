@@ -1,9 +1,9 @@
 """Counter-based random numbers for seeded requests.
 
-A seeded request's noise at a step is a pure function of (seed, number of output tokens so far,
-token id): an integer hash evaluated on tensors, with no generator state. So a seeded request
-samples the same token whatever else is in the batch, on any device, and after preemption (it
-comes back with the same output length). Unseeded rows use torch's default generator.
+A seeded request's random draw at a step is a pure function of (seed, number of output tokens so
+far): an integer hash evaluated on tensors, with no generator state. So a seeded request samples
+the same token whatever else is in the batch, on any device, and after preemption (it comes back
+with the same output length). Unseeded rows use torch's default generator.
 """
 
 from __future__ import annotations
@@ -27,16 +27,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise ``[len(seeds), vocab_size]`` determined by each row's (seed, step)."""
+def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row, determined by the row's (seed, step)."""
     seeds = seeds.to(torch.int64)
-    steps = steps.to(torch.int64)
-    key = _mix32((steps & _MASK32) ^ _GOLDEN32)
+    key = _mix32((steps.to(torch.int64) & _MASK32) ^ _GOLDEN32)
     key = _mix32(key ^ (seeds & _MASK32))
-    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
-    token = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    bits = _mix32((key[:, None] + token * _GOLDEN32) & _MASK32)
-    bits = _mix32(bits ^ key[:, None])
-    # 24 random bits give a uniform in (0, 1) exactly representable in float32.
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    high = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    low = _mix32(high ^ _GOLDEN32)
+    # 48 random bits: exact in float64, and never 0 or 1.
+    bits = (high << 16) | (low >> 16)
+    return (bits.to(torch.float64) + 0.5) * 2.0**-48
