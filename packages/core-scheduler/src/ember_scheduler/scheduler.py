@@ -340,7 +340,6 @@ class Scheduler:
         outputs = self._pending_outputs
         self._pending_outputs = []
         requests = self.requests
-        req_id_to_index = model_runner_output.req_id_to_index
         sampled_token_ids = model_runner_output.sampled_token_ids
         spec_token_ids = model_runner_output.spec_token_ids
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
@@ -354,11 +353,10 @@ class Scheduler:
         max_num_tokens = self.max_num_tokens
         finished: list[Request] = []
 
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for index, req_id in enumerate(model_runner_output.req_ids):
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue  # aborted or preempted since it was scheduled
-            index = req_id_to_index[req_id]
             new_token_ids = sampled_token_ids[index]
             if scheduled_spec:
                 drafts = scheduled_spec.get(req_id)
@@ -368,22 +366,23 @@ class Scheduler:
             if spec_token_ids is not None:
                 request.spec_token_ids = spec_token_ids[index]
 
-            finish_status = None
+            finish_reason = None
             if new_token_ids:
                 output_ids = request.output_token_ids
                 all_ids = request.all_token_ids
+                eos_token_id = request.eos_token_id
                 for count, token in enumerate(new_token_ids, 1):
                     output_ids.append(token)
                     all_ids.append(token)
                     num_outputs = len(output_ids)
                     if num_outputs >= request.min_tokens and (
-                        token == request.eos_token_id or token in request.stop_token_ids
+                        token == eos_token_id or token in request.stop_token_ids
                     ):
-                        finish_status = _STOPPED
-                        if token != request.eos_token_id:
+                        finish_reason = FinishReason.STOP
+                        if token != eos_token_id:
                             request.stop_reason = token
                     elif num_outputs >= request.max_tokens or len(all_ids) >= max_num_tokens:
-                        finish_status = _LENGTH_CAPPED
+                        finish_reason = FinishReason.LENGTH
                     else:
                         continue
                     if count < len(new_token_ids):
@@ -405,32 +404,24 @@ class Scheduler:
                 if chunk is not None:
                     new_prompt_logprobs = self._unseen_prompt_logprobs(request, chunk)
 
-            if finish_status is not None:
-                request.set_status(finish_status)
+            if finish_reason is not None:
+                request.set_status(
+                    _STOPPED if finish_reason == FinishReason.STOP else _LENGTH_CAPPED
+                )
                 finished.append(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        new_token_ids,
-                        new_logprobs=new_logprobs,
-                        new_prompt_logprobs=new_prompt_logprobs,
-                        finish_reason=FinishReason.STOP
-                        if finish_status == _STOPPED
-                        else FinishReason.LENGTH,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
+            elif not new_token_ids and new_prompt_logprobs is None:
+                continue  # a prefill chunk: nothing to report yet
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_token_ids,
+                    new_logprobs,
+                    new_prompt_logprobs,
+                    finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
                 )
-            elif new_token_ids or new_prompt_logprobs is not None:
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        new_token_ids,
-                        new_logprobs=new_logprobs,
-                        new_prompt_logprobs=new_prompt_logprobs,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
-                )
+            )
 
         if finished:
             free = self.kv_cache_manager.free
