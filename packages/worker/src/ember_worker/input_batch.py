@@ -120,6 +120,7 @@ class InputBatch:
         self.num_prompt_tokens = self.rows["num_prompt_tokens"]
         self.num_computed_tokens = self.rows["num_computed_tokens"]
         self.num_blocks = self.rows["num_blocks"]
+        self._num_scheduled = self.rows["num_scheduled_tokens"]
 
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
@@ -353,57 +354,41 @@ class InputBatch:
         if self._holes or self._num_rows != n:
             raise ValueError("prepare_inputs needs a condensed batch; call condense() first")
         num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
-        if num_sched.shape != (n,):
+        if num_sched.shape != (n,) or n == 0:
             raise ValueError(
-                f"num_scheduled_tokens must have shape ({n},), got {tuple(num_sched.shape)}"
+                f"num_scheduled_tokens must have shape ({n},) with n > 0, "
+                f"got {tuple(num_sched.shape)}"
             )
-        total = int(num_sched.sum())
-        if n == 0 or total == 0 or num_sched.min() < 0:
-            raise ValueError("num_scheduled_tokens must be non-negative with a positive sum")
-        if total > self.max_num_batched_tokens:
-            raise ValueError(
-                f"num_scheduled_tokens sum to {total}, more than max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
+        cu = num_sched.cumsum()
+        total = int(cu[-1])
         self.num_tokens[:n] = self.num_tokens_no_spec[:n]
         if spec_decode_tokens:
             self._write_spec_tokens(spec_decode_tokens)
-
         computed = self.num_computed_tokens[:n].astype(np.int64)
         seq_lens = computed + num_sched
-        if np.any(seq_lens > self.num_tokens[:n]):
-            row = int(np.argmax(seq_lens > self.num_tokens[:n]))
-            raise ValueError(
-                f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
-                f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
-            )
-        if np.any(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n]):
-            row = int(np.argmax(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n]))
-            raise ValueError(
-                f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "
-                f"{seq_lens[row]} tokens"
-            )
-        self.rows["num_scheduled_tokens"][:n] = num_sched
+        # One reduction for every check; the error path works out which one failed.
+        bad = (num_sched < 0) | (seq_lens > self.num_tokens[:n])
+        bad |= (seq_lens + (self.block_size - 1)) // self.block_size > self.num_blocks[:n]
+        if total <= 0 or total > self.max_num_batched_tokens or bad.any():
+            self._raise_bad_schedule(num_sched, computed, total)
+        self._num_scheduled[:n] = num_sched
 
         # Row of each token, and its offset within the row's scheduled run.
-        req_indices = np.repeat(self._arange[:n], num_sched)
-        cu = np.cumsum(num_sched)
-        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        req_indices = self._arange[:n].repeat(num_sched)
+        offsets = self._arange[:total] - (cu - num_sched).repeat(num_sched)
         positions = self._positions_np[:total]
         np.add(computed[req_indices], offsets, out=positions)
 
         self._input_ids_np[:total] = self.token_ids_cpu.reshape(-1)[
             req_indices * self.max_model_len + positions
         ]
-        block_numbers = np.take(
-            self.block_table_cpu.reshape(-1),
-            req_indices * self.max_blocks_per_req + positions // self.block_size,
-        )
+        block_numbers = self.block_table_cpu.reshape(-1)[
+            req_indices * self.max_blocks_per_req + positions // self.block_size
+        ]
         slot_mapping = self._slot_mapping_np[:total]
         np.multiply(block_numbers, self.block_size, out=slot_mapping)
         slot_mapping += positions % self.block_size
 
-        self._query_start_loc_np[0] = 0
         self._query_start_loc_np[1 : n + 1] = cu
         self._seq_lens_np[:n] = seq_lens
         np.maximum(cu - 1, 0, out=self._logits_indices_np[:n])
@@ -427,6 +412,29 @@ class InputBatch:
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
             num_tokens=total,
+        )
+
+    def _raise_bad_schedule(self, num_sched: np.ndarray, computed: np.ndarray, total: int) -> None:
+        n = len(num_sched)
+        if (num_sched < 0).any() or total <= 0:
+            raise ValueError("num_scheduled_tokens must be non-negative with a positive sum")
+        if total > self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_scheduled_tokens sum to {total}, more than max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
+        seq_lens = computed + num_sched
+        over = np.flatnonzero(seq_lens > self.num_tokens[:n])
+        if len(over):
+            row = over[0]
+            raise ValueError(
+                f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
+                f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
+            )
+        row = np.flatnonzero(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n])[0]
+        raise ValueError(
+            f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "
+            f"{seq_lens[row]} tokens"
         )
 
     def _write_spec_tokens(self, spec_decode_tokens: dict[str, list[int]]) -> None:
