@@ -65,3 +65,18 @@ def test_prompt_logprobs_of_given_targets():
         assert lp.ranks[i] == int((reference[i] > reference[i, t]).sum()) + 1
     with pytest.raises(ValueError, match="target_token_ids"):
         Sampler.compute_prompt_logprobs(logits, targets[:2], 2)
+
+
+def test_metadata_leaves_out_unused_features_and_neutralizes_greedy_rows():
+    batch = batch_of(
+        SamplingParams(temperature=0.0, top_k=0, top_p=0.5),
+        SamplingParams(temperature=0.8, top_k=3),
+    )
+    meta = batch.sampling_metadata()
+    assert not meta.all_greedy and not meta.all_random
+    # The greedy row would otherwise force ranking the whole vocabulary.
+    assert meta.top_k.tolist() == [1, 3]
+    assert meta.top_p is None and meta.min_p is None and meta.no_penalties
+    assert meta.has_seed is None and meta.max_num_logprobs is None
+    greedy_only = batch_of(SamplingParams(temperature=0.0, top_k=5, seed=1)).sampling_metadata()
+    assert greedy_only.all_greedy and greedy_only.top_k is None and greedy_only.has_seed is None

@@ -48,53 +48,59 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
     n = batch.num_reqs
     state = batch.rows[:n]
 
-    def tensor(field: str, dtype=None) -> torch.Tensor:
-        values = np.ascontiguousarray(state[field])
-        t = torch.from_numpy(values if dtype is None else values.astype(dtype))
-        return t.to(device, non_blocking=True)
+    def to_device(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(device, non_blocking=True)
 
     temperature = state["temperature"]
     greedy = temperature < GREEDY_TEMPERATURE
     all_greedy = bool(greedy.all())
     all_random = not bool(greedy.any())
-    sampled_rows = ~greedy  # parameters of greedy rows never matter
 
-    def used(field: str, neutral) -> torch.Tensor | None:
-        return tensor(field) if np.any(state[field][sampled_rows] != neutral) else None
+    def truncation(field: str, neutral, greedy_value) -> torch.Tensor | None:
+        """The row values, or None when no sampled row uses the feature. Greedy rows get
+        ``greedy_value`` (equivalent to greedy), so they never widen the work of the others."""
+        values = state[field]
+        if all_greedy or not np.any(values[~greedy] != neutral):
+            return None
+        return to_device(np.where(greedy, greedy_value, values))
 
     penalized = (
         (state["presence_penalty"] != 0.0)
         | (state["frequency_penalty"] != 0.0)
         | (state["repetition_penalty"] != 1.0)
     )
-    counts = mask = None
+    counts = mask = presence = frequency = repetition = None
     if penalized.any():
         counts, mask = _token_occurrences(batch, np.flatnonzero(penalized), device)
+        presence = to_device(state["presence_penalty"])
+        frequency = to_device(state["frequency_penalty"])
+        repetition = to_device(state["repetition_penalty"])
 
-    seeded = state["has_seed"] & sampled_rows
+    seeded = state["has_seed"] & ~greedy
+    has_seed = seeds = num_output_tokens = None
+    if seeded.any():
+        has_seed = to_device(seeded)
+        seeds = to_device(state["seed"])
+        num_output_tokens = to_device(
+            (state["num_tokens_no_spec"] - state["num_prompt_tokens"]).astype(np.int64)
+        )
     num_logprobs = state["num_logprobs"].tolist()
     max_num_logprobs = max(num_logprobs, default=-1)
     return SamplingMetadata(
-        temperature=tensor("temperature"),
+        temperature=to_device(temperature),
         all_greedy=all_greedy,
         all_random=all_random,
-        top_p=None if all_greedy else used("top_p", 1.0),
-        top_k=None if all_greedy else used("top_k", 0),
-        min_p=None if all_greedy else used("min_p", 0.0),
-        presence_penalties=tensor("presence_penalty") if counts is not None else None,
-        frequency_penalties=tensor("frequency_penalty") if counts is not None else None,
-        repetition_penalties=tensor("repetition_penalty") if counts is not None else None,
+        top_p=truncation("top_p", 1.0, 1.0),
+        top_k=truncation("top_k", 0, 1),
+        min_p=truncation("min_p", 0.0, 0.0),
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
         output_token_counts=counts,
         prompt_token_mask=mask,
-        has_seed=tensor("has_seed") if seeded.any() else None,
-        seeds=tensor("seed") if seeded.any() else None,
-        num_output_tokens=(
-            torch.from_numpy(
-                (state["num_tokens_no_spec"] - state["num_prompt_tokens"]).astype(np.int64)
-            ).to(device)
-            if seeded.any()
-            else None
-        ),
+        has_seed=has_seed,
+        seeds=seeds,
+        num_output_tokens=num_output_tokens,
         num_logprobs=num_logprobs,
         max_num_logprobs=None if max_num_logprobs < 0 else max_num_logprobs,
     )
