@@ -1,0 +1,177 @@
+"""The front end's side of the engine core process: spawn, handshake, send, receive, watch.
+
+``AsyncMPClient.start`` binds a ROUTER (requests out) and a PULL (outputs in) on IPC sockets in a
+private temp folder, starts ``python -m ember_server.core_process`` and waits for its READY (or
+FAILED, or its exit). A thread waits on the process; the moment it exits the client calls
+``on_engine_dead`` in the event loop, so nobody waits on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
+from ember_server import core_messages as msg
+from ember_server.engine_args import EngineArgs
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (crashed, killed, or failed a step)."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core process could not build the engine or never said it was ready."""
+
+
+class AsyncMPClient:
+    """Talks to one engine core process from an asyncio event loop."""
+
+    def __init__(self) -> None:
+        self._context = zmq.asyncio.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="ember-engine-")
+        self.input_address = f"ipc://{self._socket_dir}/input"
+        self.output_address = f"ipc://{self._socket_dir}/output"
+        self._input_socket = self._context.socket(zmq.ROUTER)
+        self._input_socket.setsockopt(zmq.LINGER, 0)
+        self._input_socket.bind(self.input_address)
+        self._output_socket = self._context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.LINGER, 0)
+        self._output_socket.bind(self.output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._engine_identity: bytes | None = None
+        self.process: subprocess.Popen | None = None
+        self.ready: msg.EngineCoreReady | None = None
+        self.exit_code: int | None = None
+        self._exited: asyncio.Future | None = None
+        self._on_engine_dead: Callable[[int], None] | None = None
+        self._shutting_down = False
+
+    @classmethod
+    async def start(
+        cls,
+        args: EngineArgs,
+        on_engine_dead: Callable[[int], None],
+        startup_timeout: float = 600.0,
+    ) -> AsyncMPClient:
+        """Spawn the engine core process and wait for its handshake."""
+        client = cls()
+        try:
+            await client._spawn(args, on_engine_dead, startup_timeout)
+        except BaseException:
+            client._shutting_down = True
+            await asyncio.to_thread(client._stop_process, 0.0)
+            client._close()
+            raise
+        return client
+
+    async def _spawn(self, args: EngineArgs, on_engine_dead, startup_timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        command = [
+            sys.executable, "-m", "ember_server.core_process",
+            "--input-address", self.input_address,
+            "--output-address", self.output_address,
+            "--parent-pid", str(os.getpid()),
+            "--engine-args", msgspec.json.encode(args).decode(),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command)
+        threading.Thread(
+            target=self._wait_for_exit, args=(loop,), name="ember-engine-watch", daemon=True
+        ).start()
+        handshake = asyncio.ensure_future(self._input_socket.recv_multipart())
+        done, _ = await asyncio.wait(
+            {handshake, self._exited}, timeout=startup_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if handshake not in done:
+            handshake.cancel()
+            if self._exited in done:
+                raise EngineStartupError(
+                    f"engine core process exited with code {self.exit_code} during start-up"
+                )
+            raise EngineStartupError(f"engine core not ready after {startup_timeout:.0f} s")
+        identity, kind, payload = handshake.result()
+        if kind == msg.FAILED:
+            raise EngineStartupError(f"engine core failed to start:\n{payload.decode()}")
+        if kind != msg.READY:
+            raise EngineStartupError(f"engine core sent {kind!r} instead of READY")
+        self._engine_identity = identity
+        self.ready = msgspec.msgpack.decode(payload, type=msg.EngineCoreReady)
+        self._on_engine_dead = on_engine_dead
+        if self._exited.done():  # died right after saying READY
+            on_engine_dead(self.exit_code)
+
+    def _wait_for_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        code = self.process.wait()
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+            loop.call_soon_threadsafe(self._process_exited, code)
+
+    def _process_exited(self, code: int) -> None:
+        self.exit_code = code
+        if not self._exited.done():
+            self._exited.set_result(code)
+        if self._on_engine_dead is not None and not self._shutting_down:
+            self._on_engine_dead(code)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.exit_code is None and self.process.poll() is None
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            await self._send(msg.ADD, self._encoder.encode(request))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            await self._send(msg.ABORT, self._encoder.encode(request_ids))
+
+    async def _send(self, kind: bytes, payload: bytes) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(f"engine core process is gone (exit code {self.exit_code})")
+        await self._input_socket.send_multipart([self._engine_identity, kind, payload], copy=False)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        frame = await self._output_socket.recv(copy=False)
+        return self._outputs_decoder.decode(frame.buffer)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the engine to stop, give it ``timeout`` seconds, then terminate it; close sockets."""
+        self._shutting_down = True
+        if self._engine_identity is not None and self.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._input_socket.send_multipart([self._engine_identity, msg.SHUTDOWN, b""])
+        await asyncio.to_thread(self._stop_process, timeout)
+        self._close()
+
+    def _stop_process(self, grace: float) -> None:
+        process = self.process
+        if process is None:
+            return
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _close(self) -> None:
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

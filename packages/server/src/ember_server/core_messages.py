@@ -1,0 +1,26 @@
+"""Frames between the front end and the engine core process (msgspec msgpack; never pickle).
+
+Front end -> engine core (ROUTER -> DEALER): ``[kind, payload]`` with ``kind`` one of ``ADD``
+(an ``EngineCoreRequest``), ``ABORT`` (a list of request ids) or ``SHUTDOWN``. Engine core ->
+front end: ``[READY, EngineCoreReady]`` or ``[FAILED, text]`` once on the input socket at start-up,
+then ``EngineCoreOutputs`` on the output socket (PUSH -> PULL).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+ADD = b"ADD"
+ABORT = b"ABORT"
+SHUTDOWN = b"SHUTDOWN"
+READY = b"READY"
+FAILED = b"FAILED"
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    """The engine core's start-up handshake: what it built."""
+
+    pid: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int

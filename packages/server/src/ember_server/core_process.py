@@ -1,0 +1,153 @@
+"""The engine core in its own process: a busy loop between ZMQ sockets and ``EngineCore.step``.
+
+Started by ``core_client.AsyncMPClient`` as ``python -m ember_server.core_process``. It connects
+a DEALER to the front end's ROUTER (requests in) and a PUSH to its PULL (outputs out), builds the
+engine core, and says READY (or FAILED with the traceback) on the DEALER. Then, while requests
+are unfinished, every pass drains the input socket and runs one step; when idle it blocks on the
+input socket. A step that raises sends ``EngineCoreOutputs(error=...)`` and ends the process. The
+process also ends when its parent is gone, so an engine is never orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from ember_scheduler.engine_types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from ember_server import core_messages as msg
+from ember_server.engine_args import EngineArgs
+
+_IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+
+
+class EngineCoreProc:
+    """Runs one engine core between the front end's sockets."""
+
+    def __init__(self, engine_core, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+        self.engine_core = engine_core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self._encoder = msgspec.msgpack.Encoder()
+        self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self._ids_decoder = msgspec.msgpack.Decoder(list[str])
+
+    def run(self, parent_pid: int) -> None:
+        """Serve until SHUTDOWN or the parent's death; an exception in a step propagates."""
+        core = self.engine_core
+        while True:
+            busy = core.has_unfinished_requests()
+            if not busy and not self.input_socket.poll(_IDLE_POLL_MS):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+            handled = self._drain_input()
+            if handled is None:
+                return
+            if busy or handled:
+                self._send(core.step())
+
+    def _drain_input(self) -> bool | None:
+        """Handle every waiting message; None on SHUTDOWN, else whether anything came."""
+        handled = False
+        while self.input_socket.poll(0):
+            kind, payload = self.input_socket.recv_multipart(copy=False)
+            kind = kind.bytes
+            handled = True
+            if kind == msg.ADD:
+                request = self._request_decoder.decode(payload.buffer)
+                try:
+                    self.engine_core.add_request(request)
+                except ValueError as exc:  # the front end checks input; never die of a bad one
+                    self._reject(request.request_id, str(exc))
+            elif kind == msg.ABORT:
+                self.engine_core.abort_requests(self._ids_decoder.decode(payload.buffer))
+            elif kind == msg.SHUTDOWN:
+                return None
+            else:
+                raise RuntimeError(f"engine core got an unknown message kind {kind!r}")
+        return handled
+
+    def _reject(self, request_id: str, reason: str) -> None:
+        output = EngineCoreOutput(
+            request_id, [], finish_reason=FinishReason.ABORT, finish_detail=reason
+        )
+        self._send(EngineCoreOutputs(outputs=[output]))
+
+    def _send(self, outputs: EngineCoreOutputs) -> None:
+        self.output_socket.send(self._encoder.encode(outputs), copy=False)
+
+
+def run_engine_core(
+    args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+) -> int:
+    """Connect, build the engine core, handshake and serve; returns the exit status."""
+    from ember_server.engine_factory import make_engine_core
+    from ember_server.model_config import ModelConfig
+
+    context = zmq.Context()
+    input_socket = context.socket(zmq.DEALER)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        try:
+            model_config = ModelConfig.from_engine_args(args)
+            engine_core = make_engine_core(args, model_config)
+        except Exception:
+            input_socket.send_multipart([msg.FAILED, traceback.format_exc().encode()])
+            return 1
+        executor = engine_core.executor
+        ready = msg.EngineCoreReady(
+            pid=os.getpid(),
+            num_kv_blocks=executor.num_kv_blocks,
+            block_size=executor.block_size,
+            max_model_len=model_config.max_model_len,
+        )
+        input_socket.send_multipart([msg.READY, encoder.encode(ready)])
+        try:
+            EngineCoreProc(engine_core, input_socket, output_socket).run(parent_pid)
+        except Exception:
+            error = traceback.format_exc()
+            print(f"ember engine core failed:\n{error}", file=sys.stderr, flush=True)
+            output_socket.send(encoder.encode(EngineCoreOutputs(error=error)))
+            return 1
+        finally:
+            engine_core.shutdown()
+        return 0
+    finally:
+        # Let queued outputs (an error report above all) reach the front end before closing.
+        input_socket.close(linger=0)
+        output_socket.close(linger=2000)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Ember engine core process (started by the front end)."
+    )
+    parser.add_argument("--input-address", required=True)
+    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--engine-args", required=True, help="EngineArgs as JSON.")
+    options = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the front end decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    args = msgspec.json.decode(options.engine_args.encode(), type=EngineArgs)
+    return run_engine_core(args, options.input_address, options.output_address, options.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

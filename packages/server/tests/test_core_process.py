@@ -1,0 +1,61 @@
+"""The engine core process: start-up handshake failures and death detection."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.async_llm import AsyncLLM
+from ember_server.core_client import EngineDeadError, EngineStartupError
+from ember_server.engine_args import EngineArgs
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model):
+    return str(tiny_model("llama"))
+
+
+def test_killed_engine_fails_in_flight_requests_at_once(model_path):
+    async def run():
+        args = EngineArgs(model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=512)
+        engine = await AsyncLLM.start(args)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            streams = [engine.generate("def foo(", params, f"r{i}") for i in range(3)]
+            seen = []
+
+            async def consume(stream):
+                async for out in stream:
+                    seen.append(out)
+
+            tasks = [asyncio.ensure_future(consume(s)) for s in streams]
+            while not seen:
+                await asyncio.sleep(0.01)
+            os.kill(engine.engine_core_pid, signal.SIGKILL)
+            # Every in-flight request fails with EngineDeadError, well before it could finish.
+            results = await asyncio.wait_for(
+                asyncio.gather(*tasks, return_exceptions=True), timeout=10
+            )
+            assert all(isinstance(r, EngineDeadError) for r in results)
+            assert engine.errored and not engine.is_healthy()
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+            with pytest.raises(EngineDeadError):
+                engine.generate("def foo(", params, "after")
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_engine_that_cannot_start_reports_why(model_path):
+    args = EngineArgs(model=model_path, kv_cache_memory=1)
+    with pytest.raises(EngineStartupError, match="kv_cache_memory"):
+        asyncio.run(AsyncLLM.start(args))
+
+
+def test_bad_model_folder_fails_before_spawning(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        asyncio.run(AsyncLLM.start(EngineArgs(model=str(tmp_path))))
