@@ -192,10 +192,12 @@ class Scheduler:
                 victim = self._select_victim()
                 victim_index = running.index(victim) if victim is not running[-1] else -1
                 if victim_index != -1 and victim_index < index:
-                    # Priority policy only: a request scheduled earlier this step gives way.
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    spec_decode_tokens.pop(victim.request_id, None)
-                    unscheduled_victims = True
+                    # Priority policy only: a request met earlier this step gives way.
+                    withdrawn = num_scheduled_tokens.pop(victim.request_id, None)
+                    if withdrawn is not None:
+                        token_budget += withdrawn
+                        spec_decode_tokens.pop(victim.request_id, None)
+                        unscheduled_victims = True
                     index -= 1
                 self._preempt(victim, victim_index)
                 preempted_req_ids.add(victim.request_id)
@@ -363,8 +365,8 @@ class Scheduler:
                 if drafts and new_token_ids:
                     # KV of rejected drafts is stale: recompute from the first rejected one.
                     request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-            if spec_token_ids is not None:
-                request.spec_token_ids = spec_token_ids[index]
+            if spec_token_ids is not None and new_token_ids:
+                request.spec_token_ids = spec_token_ids[index]  # drafts to verify next step
 
             finish_reason = None
             if new_token_ids:
