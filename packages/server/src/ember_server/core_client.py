@@ -43,11 +43,16 @@ class AsyncMPClient:
         self._socket_dir = tempfile.mkdtemp(prefix="ember-engine-")
         self.input_address = f"ipc://{self._socket_dir}/input"
         self.output_address = f"ipc://{self._socket_dir}/output"
+        # No high-water marks: a ROUTER over its limit drops messages silently, and a burst of
+        # requests (or outputs) must never be lost.
         self._input_socket = self._context.socket(zmq.ROUTER)
         self._input_socket.setsockopt(zmq.LINGER, 0)
+        self._input_socket.setsockopt(zmq.SNDHWM, 0)
+        self._input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._input_socket.bind(self.input_address)
         self._output_socket = self._context.socket(zmq.PULL)
         self._output_socket.setsockopt(zmq.LINGER, 0)
+        self._output_socket.setsockopt(zmq.RCVHWM, 0)
         self._output_socket.bind(self.output_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -143,7 +148,12 @@ class AsyncMPClient:
     async def _send(self, kind: bytes, payload: bytes) -> None:
         if not self.is_alive():
             raise EngineDeadError(f"engine core process is gone (exit code {self.exit_code})")
-        await self._input_socket.send_multipart([self._engine_identity, kind, payload], copy=False)
+        try:
+            await self._input_socket.send_multipart(
+                [self._engine_identity, kind, payload], copy=False
+            )
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the engine's socket is gone
+            raise EngineDeadError(f"engine core process is unreachable: {exc}") from exc
 
     async def get_output(self) -> EngineCoreOutputs:
         frame = await self._output_socket.recv(copy=False)

@@ -97,8 +97,10 @@ def run_engine_core(
 
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)
+    input_socket.setsockopt(zmq.RCVHWM, 0)  # never drop or stall a burst of requests
     input_socket.connect(input_address)
     output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
