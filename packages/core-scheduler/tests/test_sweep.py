@@ -13,24 +13,29 @@ from ember_scheduler import EngineCore, SamplingParams, SchedulerConfig
 MAX_MODEL_LEN = 32
 
 
+# kind: (requests, prompt lengths, max_tokens range, share ignoring EOS)
+_WORKLOADS = {
+    "mixed": (20, (1, 16), (4, 16), 0.5),  # longer prompts, a third share an 8-token prefix
+    "short": (64, (1, 5), (2, 14), 0.5),  # many small requests
+    "long": (64, (1, 3), (20, 31), 1.0),  # tiny prompts, long outputs: the pool fills up fast
+}
+
+
 @functools.cache
 def _workload(kind: str):
-    """(prompts, params, references); "short" is many small requests, "mixed" has shared
-    prefixes and longer prompts. No sequence exceeds MAX_MODEL_LEN, so the smallest pool
+    """(prompts, params, references). No sequence exceeds MAX_MODEL_LEN, so the smallest pool
     (MAX_MODEL_LEN tokens) changes no output."""
+    count, prompt_len, max_tokens, ignore_eos_share = _WORKLOADS[kind]
     rng = random.Random(kind)
     shared = [rng.randrange(1, 97) for _ in range(8)]
     prompts, params = {}, {}
-    count, prompt_len, max_tokens = (
-        (64, (1, 5), (2, 14)) if kind == "short" else (20, (1, 16), (4, 16))
-    )
     for i in range(count):
         prompt = [rng.randrange(1, 97) for _ in range(rng.randrange(*prompt_len))]
-        if i % 3 == 0:
+        if i % 3 == 0 and kind != "long":
             prompt = shared + prompt
         prompts[f"{kind}{i}"] = prompt
         params[f"{kind}{i}"] = SamplingParams(
-            max_tokens=rng.randrange(*max_tokens), ignore_eos=rng.random() < 0.5
+            max_tokens=rng.randrange(*max_tokens), ignore_eos=rng.random() < ignore_eos_share
         )
     references = {
         rid: reference_output(p, params[rid], MAX_MODEL_LEN) for rid, p in prompts.items()
@@ -72,9 +77,11 @@ def _run(kind, block_size, pool_factor, max_num_seqs, budget, policy, spec=0, ca
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("spec", [0, 2])
-def test_tightest_pool_preempts_often_and_changes_nothing(policy, spec):
-    share = _run("short", 1, 1, 64, 64, policy, spec)
-    assert share > 0.3
+def test_a_pool_that_preempts_on_about_half_the_steps_changes_nothing(policy, spec):
+    # Measured: 41-52% of steps preempt here. It cannot go much higher: a step that preempts
+    # admits no waiting request, and the blocks it frees let the next step admit instead.
+    share = _run("long", 1, 2, 64, 256, policy, spec)
+    assert share > 0.4
 
 
 @pytest.mark.parametrize(
@@ -96,7 +103,12 @@ def test_small_sweep(kind, block_size, pool_factor, max_num_seqs, budget):
     ("kind", "block_size", "pool_factor", "policy", "spec", "caching"),
     list(
         itertools.product(
-            ["mixed", "short"], [1, 2, 4], [1, 2, 8], ["fcfs", "priority"], [0, 3], [True, False]
+            ["mixed", "short", "long"],
+            [1, 2, 4],
+            [1, 2, 8],
+            ["fcfs", "priority"],
+            [0, 3],
+            [True, False],
         )
     ),
 )
