@@ -4,6 +4,7 @@ checking the pool's bookkeeping against a simple model after every step."""
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import (
     Bundle,
@@ -43,10 +44,13 @@ class _Request:
 
 class KVCacheMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
+    hash_algo = "sha256"
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(NUM_BLOCKS, BLOCK, enable_kv_events=True)
+        self.mgr = KVCacheManager(
+            NUM_BLOCKS, BLOCK, hash_algo=self.hash_algo, enable_kv_events=True
+        )
         self.model: dict[str, _Request] = {}
         # block id -> (token ids up to the end of that block, extras), recorded when written.
         self.content: dict[int, tuple[tuple[int, ...], BlockHashExtras | None]] = {}
@@ -210,3 +214,15 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+class XXHashKVCacheMachine(KVCacheMachine):
+    """The same machine over xxhash64 block hashes, for a longer sweep."""
+
+    hash_algo = "xxhash64"
+
+
+XXHashKVCacheMachine.TestCase.settings = settings(
+    max_examples=1000, stateful_step_count=80, deadline=None
+)
+TestKVCacheMachineLongSweep = pytest.mark.slow(XXHashKVCacheMachine.TestCase)
