@@ -12,7 +12,7 @@ from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
 from ember_worker.sampling_ops import (
     apply_min_p_,
-    apply_penalties_,
+    apply_penalties,
     inverse_cdf_sample,
     top_k_top_p_candidates,
 )
@@ -45,7 +45,7 @@ def test_top_k_keeps_the_k_largest_per_row():
 
 
 def test_top_k_ranks_only_the_largest_k_when_every_row_has_one():
-    logits = random_logits(3, 7)
+    logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(7))
     values, ids = top_k_top_p_candidates(
         logits, torch.tensor([2, 6, 4]), torch.tensor([1.0, 0.5, 1.0])
     )
@@ -67,6 +67,35 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
             mass += probs[token].item()
             if mass >= p - 1e-6:
                 break
+        assert kept_candidates(values, ids, row) == expected
+
+
+def reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
+    order = row.double().argsort(descending=True)
+    if k:
+        order = order[:k]
+    probs = row.double()[order].softmax(-1)
+    kept, mass = set(), 0.0
+    for token, prob in zip(order.tolist(), probs.tolist()):
+        kept.add(token)
+        mass += prob
+        if mass >= p - 1e-9:
+            break
+    return kept
+
+
+def test_peaked_rows_rank_only_the_tokens_top_p_can_keep():
+    """Large vocabulary, peaked rows: the candidate bound keeps ranking far below a full sort,
+    and the kept sets still match a full-sort reference, for top-p-only and top-k rows alike."""
+    vocab = 4096
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, vocab, generator=g) * 6
+    top_k = torch.tensor([0, 0, 7, 0])
+    top_p = torch.tensor([0.3, 0.9, 0.8, 0.99])
+    values, ids = top_k_top_p_candidates(logits, top_k, top_p)
+    assert values.shape[1] <= vocab // 8
+    for row in range(4):
+        expected = reference_top_k_top_p(logits[row], int(top_k[row]), float(top_p[row]))
         assert kept_candidates(values, ids, row) == expected
 
 
@@ -128,14 +157,14 @@ def test_penalties_match_the_reference():
     prompts = [[1, 2, 2, 3], [5], [7, 8]]
     outputs = [[2, 2, 9], [5, 5, 5, 6], []]
     params = [(0.5, 0.3, 1.5), (-1.0, 0.0, 0.8), (2.0, 2.0, 1.0)]
-    counts = torch.zeros(3, VOCAB, dtype=torch.int32)
+    counts = torch.zeros(3, VOCAB)
     mask = torch.zeros(3, VOCAB, dtype=torch.bool)
     for row in range(3):
         for token in outputs[row]:
             counts[row, token] += 1
         mask[row, prompts[row]] = True
     presence, frequency, repetition = (torch.tensor(col) for col in zip(*params))
-    out = apply_penalties_(logits.clone(), counts, mask, presence, frequency, repetition)
+    out = apply_penalties(logits.clone(), counts, mask, presence, frequency, repetition)
     for row in range(3):
         expected = reference_penalties(logits[row], prompts[row], outputs[row], *params[row])
         torch.testing.assert_close(out[row], expected)
@@ -219,3 +248,43 @@ def test_masked_tokens_are_never_sampled(temperature):
         assert set(out.sampled_token_ids.tolist()) <= kept_candidates(values, ids, 0)
     else:
         assert set(out.sampled_token_ids.tolist()) == {int(logits[0].argmax())}
+
+
+def test_rows_with_and_without_truncation_in_one_batch():
+    torch.manual_seed(3)
+    vocab = 512
+    rows = 64
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 4
+    batch = InputBatch(rows, 8, rows, 4, vocab)
+    kinds = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=0.0),
+    ]
+    for i in range(rows):
+        batch.add_request(NewRequestData(f"r{i}", [1], [], kinds[i % 4], [0], 0))
+    out = Sampler()(base.expand(rows, vocab).clone(), batch.sampling_metadata())
+    picks = out.sampled_token_ids.view(-1, 4)
+    allowed_p = reference_top_k_top_p(base, 0, 0.5)
+    allowed_k = set(base.topk(2).indices.tolist())
+    assert set(picks[:, 1].tolist()) <= allowed_p
+    assert set(picks[:, 2].tolist()) <= allowed_k
+    assert set(picks[:, 3].tolist()) == {int(base.argmax())}
+    # the plain rows draw from the whole distribution, not a truncated one
+    assert not set(picks[:, 0].tolist()) <= allowed_p | allowed_k
+
+
+def test_frequency_and_presence_count_output_tokens_only():
+    batch = InputBatch(2, 32, 64, 4, VOCAB)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 10] = 3.0
+    logits[:, 11] = 2.5
+    params = SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.2)
+    batch.add_request(NewRequestData("prompt-only", [10, 10, 10], [], params, [0], 0))
+    batch.add_request(NewRequestData("in-output", [1], [10, 10], params, [0], 0))
+    meta = batch.sampling_metadata()
+    assert meta.prompt_token_mask is None and meta.repetition_penalties is None
+    assert meta.output_token_counts[:, 10].tolist() == [0.0, 2.0]
+    # 3.0 - 0.2 * 2 - 0.2 = 2.4 < 2.5
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [10, 11]

@@ -17,7 +17,7 @@ from ember_scheduler.outputs import Logprobs
 from ember_worker.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from ember_worker.sampling_ops import (
     apply_min_p_,
-    apply_penalties_,
+    apply_penalties,
     argmax_rows,
     inverse_cdf_sample,
     softmax_weights,
@@ -52,8 +52,8 @@ class Sampler:
         logits = logits.to(torch.float32)
         raw_logits = logits
         if not metadata.no_penalties:
-            logits = apply_penalties_(
-                logits.clone(),
+            logits = apply_penalties(
+                logits,
                 metadata.output_token_counts,
                 metadata.prompt_token_mask,
                 metadata.presence_penalties,
@@ -80,19 +80,31 @@ class Sampler:
         logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
         if metadata.min_p is not None:
             logits = apply_min_p_(logits, metadata.min_p)
-        candidate_ids = None
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits, candidate_ids = top_k_top_p_candidates(logits, metadata.top_k, metadata.top_p)
         uniform = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device)
         if metadata.has_seed is not None:
             seeded = metadata.has_seed
             uniform = torch.where(
                 seeded, seeded_uniform(metadata.seeds, metadata.num_output_tokens), uniform
             )
-        choice = inverse_cdf_sample(softmax_weights(logits), uniform)
-        random_ids = (
-            choice if candidate_ids is None else candidate_ids.gather(1, choice[:, None])[:, 0]
-        )
+        truncated = _rows_with_truncation(metadata)
+        if truncated is None:
+            random_ids = inverse_cdf_sample(softmax_weights(logits), uniform)
+        else:
+            # Rows without top-k/top-p draw from the whole vocabulary; only the others rank
+            # candidates, so one plain row never makes the batch sort its whole vocabulary.
+            random_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            plain = ~truncated
+            if plain.any():
+                random_ids[plain] = inverse_cdf_sample(
+                    softmax_weights(logits[plain]), uniform[plain]
+                )
+            values, candidate_ids = top_k_top_p_candidates(
+                logits[truncated],
+                None if metadata.top_k is None else metadata.top_k[truncated],
+                None if metadata.top_p is None else metadata.top_p[truncated],
+            )
+            choice = inverse_cdf_sample(softmax_weights(values), uniform[truncated])
+            random_ids[truncated] = candidate_ids.gather(1, choice[:, None])[:, 0]
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy, greedy_ids, random_ids)
@@ -112,6 +124,18 @@ class Sampler:
             raise ValueError(f"num_logprobs must be non-negative, got {num_logprobs}")
         n = logits.shape[0]
         return _logprobs_of(logits.to(torch.float32), target_token_ids, [num_logprobs] * n)
+
+
+def _rows_with_truncation(metadata: SamplingMetadata) -> torch.Tensor | None:
+    """Bool mask of rows with a top-k or a top-p below 1, or None when there are none."""
+    rows = None
+    if metadata.top_k is not None:
+        rows = metadata.top_k > 0
+    if metadata.top_p is not None:
+        rows = metadata.top_p < 1.0 if rows is None else rows | (metadata.top_p < 1.0)
+    if rows is None or not bool(rows.any()):
+        return None
+    return rows
 
 
 def _logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, num_logprobs: list[int]) -> Logprobs:

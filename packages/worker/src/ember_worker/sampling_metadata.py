@@ -31,8 +31,8 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None  # float32 [n]
     frequency_penalties: torch.Tensor | None  # float32 [n]
     repetition_penalties: torch.Tensor | None  # float32 [n]
-    output_token_counts: torch.Tensor | None  # int32 [n, vocab]: occurrences in the output
-    prompt_token_mask: torch.Tensor | None  # bool [n, vocab]: occurs in the prompt
+    output_token_counts: torch.Tensor | None  # float32 [n, vocab]: occurrences in the output
+    prompt_token_mask: torch.Tensor | None  # bool [n, vocab]: occurs in the prompt (repetition)
     has_seed: torch.Tensor | None  # bool [n]
     seeds: torch.Tensor | None  # int64 [n]
     num_output_tokens: torch.Tensor | None  # int64 [n]
@@ -41,7 +41,7 @@ class SamplingMetadata:
 
     @property
     def no_penalties(self) -> bool:
-        return self.repetition_penalties is None
+        return self.output_token_counts is None
 
 
 def build_sampling_metadata(batch: InputBatch, device: torch.device) -> SamplingMetadata:
@@ -64,17 +64,21 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
             return None
         return to_device(np.where(greedy, greedy_value, values))
 
-    penalized = (
-        (state["presence_penalty"] != 0.0)
-        | (state["frequency_penalty"] != 0.0)
-        | (state["repetition_penalty"] != 1.0)
-    )
+    presence_used = state["presence_penalty"] != 0.0
+    frequency_used = state["frequency_penalty"] != 0.0
+    repetition_used = state["repetition_penalty"] != 1.0
+    penalized = presence_used | frequency_used | repetition_used
     counts = mask = presence = frequency = repetition = None
     if penalized.any():
-        counts, mask = _token_occurrences(batch, np.flatnonzero(penalized), device)
-        presence = to_device(state["presence_penalty"])
-        frequency = to_device(state["frequency_penalty"])
-        repetition = to_device(state["repetition_penalty"])
+        counts, mask = _token_occurrences(
+            batch, np.flatnonzero(penalized), device, with_prompt=bool(repetition_used.any())
+        )
+        if presence_used.any():
+            presence = to_device(state["presence_penalty"])
+        if frequency_used.any():
+            frequency = to_device(state["frequency_penalty"])
+        if repetition_used.any():
+            repetition = to_device(state["repetition_penalty"])
 
     seeded = state["has_seed"] & ~greedy
     has_seed = seeds = num_output_tokens = None
@@ -107,32 +111,37 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
 
 
 def _token_occurrences(
-    batch: InputBatch, rows: np.ndarray, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output-token counts and prompt-token presence of the given rows, ``[num_reqs, vocab]``.
+    batch: InputBatch, rows: np.ndarray, device: torch.device, with_prompt: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output-token counts (and, ``with_prompt``, prompt-token presence) of the given rows,
+    as ``[num_reqs, vocab]`` tensors.
 
     Only each row's valid tokens (prompt + output, no drafts) are read, gathered in one flat
-    index over the rows.
+    index over the rows; the prompt part is skipped when no row needs it.
     """
     n = batch.num_reqs
-    lengths = batch.num_tokens_no_spec[rows].astype(np.int64)
+    prompt_lens = batch.num_prompt_tokens[rows].astype(np.int64)
+    first = np.zeros_like(prompt_lens) if with_prompt else prompt_lens
+    lengths = batch.num_tokens_no_spec[rows].astype(np.int64) - first
     total = int(lengths.sum())
     starts = np.cumsum(lengths) - lengths
     row_of = np.repeat(rows, lengths)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(starts - first, lengths)
     tokens = batch.token_ids_cpu.reshape(-1)[row_of * batch.max_model_len + offsets]
-    is_output = offsets >= batch.num_prompt_tokens[row_of]
+    is_output = offsets >= np.repeat(prompt_lens, lengths)
 
     def on_device(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values.astype(np.int64)).to(device)
 
-    counts = torch.zeros((n, batch.vocab_size), dtype=torch.int32, device=device)
+    counts = torch.zeros((n, batch.vocab_size), dtype=torch.float32, device=device)
     out_rows, out_tokens = row_of[is_output], tokens[is_output]
     counts.index_put_(
         (on_device(out_rows), on_device(out_tokens)),
-        torch.ones(1, dtype=torch.int32, device=device).expand(len(out_rows)),
+        torch.ones(1, dtype=torch.float32, device=device).expand(len(out_rows)),
         accumulate=True,
     )
+    if not with_prompt:
+        return counts, None
     mask = torch.zeros((n, batch.vocab_size), dtype=torch.bool, device=device)
     in_prompt = ~is_output
     mask[on_device(row_of[in_prompt]), on_device(tokens[in_prompt])] = True

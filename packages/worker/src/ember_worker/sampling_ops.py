@@ -12,28 +12,32 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def apply_penalties_(
+def apply_penalties(
     logits: torch.Tensor,
     output_token_counts: torch.Tensor,
-    prompt_token_mask: torch.Tensor,
-    presence_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    repetition_penalties: torch.Tensor,
+    prompt_token_mask: torch.Tensor | None,
+    presence_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
 ) -> torch.Tensor:
-    """vLLM's penalties, in place.
+    """vLLM's penalties, into a new tensor (``None``: no row uses that penalty).
 
     Repetition (over prompt and output tokens): a seen token's positive logit is divided by the
-    penalty, a negative one multiplied. Frequency and presence (over output tokens only): subtract
-    ``frequency × count`` and ``presence × [count > 0]``.
+    penalty, a negative one multiplied. Then frequency and presence (over output tokens only):
+    subtract ``frequency × count`` and ``presence × [count > 0]``.
     """
-    in_output = output_token_counts > 0
-    seen = in_output | prompt_token_mask
-    rep = repetition_penalties[:, None].expand_as(logits)
-    scale = torch.where(logits > 0, 1.0 / rep, rep)
-    logits.mul_(torch.where(seen, scale, torch.ones_like(scale)))
-    logits.sub_(frequency_penalties[:, None] * output_token_counts)
-    logits.sub_(presence_penalties[:, None] * in_output)
-    return logits
+    if repetition_penalties is not None:
+        seen = output_token_counts > 0
+        seen |= prompt_token_mask
+        rep = repetition_penalties[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    penalty = None
+    if frequency_penalties is not None:
+        penalty = frequency_penalties[:, None] * output_token_counts
+    if presence_penalties is not None:
+        presence = presence_penalties[:, None] * (output_token_counts > 0)
+        penalty = presence if penalty is None else penalty.add_(presence)
+    return logits if penalty is None else logits - penalty
 
 
 def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -48,26 +52,36 @@ def top_k_top_p_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's candidate tokens in descending order, ``(values, token_ids)`` of ``[n, C]``.
 
-    Keeps the ``top_k`` largest logits (0: all), then the smallest run of most likely of those
-    whose probability reaches ``top_p`` (at least one token); dropped candidates are ``-inf``.
-    When every row has a top-k, only ``max(top_k)`` candidates are ranked (``topk``), not the
-    whole vocabulary (a full sort).
+    Keeps the ``top_k`` largest logits (0: all), then the smallest run of the most likely of
+    those whose probability (renormalized after top-k) reaches ``top_p``, at least one token;
+    dropped candidates are ``-inf``. Only as many candidates are ranked (``topk``) as some row
+    can keep: its ``top_k``, or for a top-p-only row the tokens above ``(1 - top_p) / vocab``
+    (those below always fall in the dropped tail, which can hold ``vocab`` of them). A full sort
+    happens only when that bound is a large part of the vocabulary.
     """
     vocab = logits.shape[-1]
-    k = None
-    width = vocab
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
-        width = int(k.max())
-    if width < vocab:
+    full = torch.full((logits.shape[0],), vocab, dtype=torch.int64, device=logits.device)
+    k = full if top_k is None else torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
+    has_k = k < vocab
+    needed = k
+    if top_p is not None:
+        log_norm = logits.logsumexp(dim=-1)
+        # A little below the bound, so rounding never leaves out a token that could be kept.
+        floor = torch.log((1.0 - top_p).clamp(min=0.0) / vocab) - 1e-3
+        above = (logits > (log_norm + floor)[:, None]).sum(dim=-1)
+        needed = torch.where(has_k, k, above)
+    width = int(needed.max())
+    if width <= vocab // 8:
         values, token_ids = logits.topk(width, dim=-1)
     else:
         values, token_ids = logits.sort(dim=-1, descending=True, stable=True)
-    if k is not None:
-        rank = torch.arange(width, device=logits.device)
-        values.masked_fill_(rank[None, :] >= k[:, None], _NEG_INF)
+        width = vocab
+    rank = torch.arange(width, device=logits.device)
+    values.masked_fill_(rank[None, :] >= k[:, None], _NEG_INF)
     if top_p is not None:
-        probs = values.softmax(dim=-1)
+        # Probabilities after top-k: over the top-k for rows that have one, else the full row.
+        norm = torch.where(has_k, values.logsumexp(dim=-1), log_norm)
+        probs = (values - norm[:, None]).exp()
         mass_before = probs.cumsum(dim=-1) - probs
         limit = torch.where(top_p >= 1.0, float("inf"), top_p)
         drop = mass_before >= limit[:, None]
@@ -83,14 +97,15 @@ def inverse_cdf_sample(
 
     Two levels, to avoid a cumulative sum over the whole vocabulary: pick a chunk of ``chunk``
     entries by the cumulative sum of chunk totals, then an entry by the cumulative sum inside
-    that chunk, rescaled to it. Sums are float64; zero-weight entries are never chosen.
+    that chunk, rescaled to it. Cumulative sums are float64; zero-weight entries are never
+    chosen.
     """
     n, width = weights.shape
     chunk = min(chunk, width)
     if width % chunk:
         weights = torch.nn.functional.pad(weights, (0, chunk - width % chunk))
     chunks = weights.view(n, -1, chunk)
-    chunk_cum = chunks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    chunk_cum = chunks.sum(dim=-1).to(torch.float64).cumsum(dim=-1)
     target = uniform.to(torch.float64) * chunk_cum[:, -1]
     picked = torch.searchsorted(chunk_cum, target[:, None], right=True)
     end = chunk_cum.gather(1, picked)[:, 0]
