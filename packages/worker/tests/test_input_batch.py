@@ -131,7 +131,7 @@ def test_condense_after_removing_the_tail_only_shrinks():
     assert batch.add_request(new_req("r3", [5])) == 1
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_random_operations_match_a_plain_model(seed):
     """Adds, removes, swaps, condenses, appends and step updates, rows of any length (empty
     after removal, full max_model_len, unequal), checked against a dict after every operation
@@ -225,6 +225,18 @@ def test_swap_with_full_length_rows_and_holes():
     check_against(batch, model)
     with pytest.raises(ValueError, match="swap_rows"):
         batch.swap_rows(0, 5)
+
+
+def test_swapping_a_hole_to_the_end_drops_it():
+    batch = make_batch()
+    for name in ("a", "gone", "b"):
+        batch.add_request(new_req(name, [1, 2]))
+    batch.remove_request("gone")
+    batch.swap_rows(1, 2)
+    assert batch.req_ids == ["a", "b"]
+    batch.condense()
+    assert batch.req_ids == ["a", "b"] and batch.req_id_to_index == {"a": 0, "b": 1}
+    assert batch.add_request(new_req("c", [3])) == 2
 
 
 def test_moves_copy_only_the_valid_prefix():

@@ -249,11 +249,11 @@ class InputBatch:
         return row
 
     def _trim_trailing_holes(self) -> None:
+        """Shrink the used rows past trailing holes, which then stop being holes."""
         while self._num_rows and self._req_ids[self._num_rows - 1] is None:
             self._num_rows -= 1
-        if self._holes and self._holes[0] >= self._num_rows:
-            self._holes = [h for h in self._holes if h < self._num_rows]
-            heapq.heapify(self._holes)
+        self._holes = [h for h in self._holes if h < self._num_rows]
+        heapq.heapify(self._holes)
 
     def condense(self) -> None:
         """Fill every hole by moving the last row into it, so rows ``0..num_reqs-1`` are dense."""
@@ -302,10 +302,10 @@ class InputBatch:
             index[ids[i]] = i
         if ids[j] is not None:
             index[ids[j]] = j
-        # A hole that moved must be found at its new row.
+        # A hole that moved must be found at its new row, and never be the last row.
         if (ids[i] is None) != (ids[j] is None):
             self._holes = [h for h in range(self._num_rows) if ids[h] is None]
-            heapq.heapify(self._holes)
+            self._trim_trailing_holes()
 
     # ------------------------------------------------------------------ per-step updates
 
