@@ -7,7 +7,7 @@ import torch
 from ek_inputs import TOLERANCES, fresh_generator
 
 import ember_kernels as ek
-from ember_kernels import torch_ops
+from ember_kernels import torch_ops, triton_ops
 from ember_kernels.reference import (
     reshape_and_cache_reference,
     rms_norm_reference,
@@ -15,7 +15,7 @@ from ember_kernels.reference import (
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS = {"torch": torch_ops}
+BACKENDS = {"torch": torch_ops, "triton": triton_ops}
 
 
 def assert_matches(actual, expected, dtype, seed):

@@ -9,7 +9,7 @@ import torch
 from ek_inputs import TOLERANCES, fresh_generator, make_paged_batch
 
 import ember_kernels as ek
-from ember_kernels import torch_ops
+from ember_kernels import torch_ops, triton_ops
 from ember_kernels.reference import paged_attention_reference
 
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -35,7 +35,9 @@ def mixed_lengths(block_size: int, long: int) -> list[tuple[int, int]]:
     ]
 
 
-def check(backend, lengths, *, group, head_size, block_size, dtype, window=None, soft_cap=None):
+def check(
+    backend, lengths, *, group, head_size, block_size, dtype, window=None, soft_cap=None, **kwargs
+):
     gen, seed = fresh_generator()
     batch = make_paged_batch(
         lengths,
@@ -49,7 +51,7 @@ def check(backend, lengths, *, group, head_size, block_size, dtype, window=None,
     scale = head_size**-0.5
     out = torch.full_like(batch.query, float("nan"))
     result = backend.paged_attention(
-        *batch.args, scale=scale, sliding_window=window, soft_cap=soft_cap, out=out
+        *batch.args, scale=scale, sliding_window=window, soft_cap=soft_cap, out=out, **kwargs
     )
     assert result is out
     expected = paged_attention_reference(
@@ -64,19 +66,21 @@ def check(backend, lengths, *, group, head_size, block_size, dtype, window=None,
 WINDOW_AND_CAP = ((None, None), (37, None), (None, 30.0), (37, 30.0))
 
 
-# Every head size, block size and dtype; within each, every GQA ratio meets one of the four
-# window/soft-cap settings (the slow test below runs the whole product).
+# Every head size, block size and dtype; each runs two GQA ratios (alternating so that every
+# head size meets all four) with rotating window/soft-cap settings. The slow test below runs the
+# whole product.
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_path_mixed_batch(head_size, block_size, dtype):
     shift = HEAD_SIZES.index(head_size)
-    for i, group in enumerate(GROUPS):
-        window, soft_cap = WINDOW_AND_CAP[(i + shift) % len(WINDOW_AND_CAP)]
+    first = (shift + DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 2
+    for k in (first, first + 2):
+        window, soft_cap = WINDOW_AND_CAP[(k + shift) % len(WINDOW_AND_CAP)]
         check(
             torch_ops,
             mixed_lengths(block_size, 300),
-            group=group,
+            group=GROUPS[k],
             head_size=head_size,
             block_size=block_size,
             dtype=dtype,
@@ -101,6 +105,84 @@ def test_torch_path_mixed_batch_full_sweep(head_size, block_size, dtype):
             window=window,
             soft_cap=soft_cap,
         )
+
+
+# (head_size, dtype, block_size, group, window, soft_cap): each head size, dtype, block size, GQA
+# ratio, window and soft-cap setting at least once under the interpreter (about 1-5 s a case).
+TRITON_CASES = [
+    (64, torch.float32, 16, 1, None, None),
+    (80, torch.bfloat16, 32, 2, 37, 30.0),
+    (96, torch.float16, 16, 4, None, 30.0),
+    (128, torch.float32, 32, 8, 37, None),
+    (256, torch.bfloat16, 16, 2, None, None),
+    (128, torch.float16, 32, 1, 37, 30.0),
+]
+
+
+@pytest.mark.parametrize(
+    "head_size,dtype,block_size,group,window,soft_cap", TRITON_CASES, ids=lambda v: str(v)
+)
+def test_triton_kernel_mixed_batch(head_size, dtype, block_size, group, window, soft_cap):
+    check(
+        triton_ops,
+        mixed_lengths(block_size, 260),
+        group=group,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        window=window,
+        soft_cap=soft_cap,
+    )
+
+
+@pytest.mark.parametrize("num_kv_splits,window", [(2, None), (4, 50)])
+def test_triton_split_kv_decode(num_kv_splits, window):
+    """Forced KV splits, including splits left empty by short sequences or the window."""
+    check(
+        triton_ops,
+        [(1, 1), (1, 15), (1, 33), (1, 290), (1, 150)],
+        group=4,
+        head_size=64,
+        block_size=16,
+        dtype=torch.float32,
+        window=window,
+        num_kv_splits=num_kv_splits,
+        max_query_len=1,
+    )
+
+
+def test_triton_split_kv_mixed_batch():
+    check(
+        triton_ops,
+        mixed_lengths(16, 140),
+        group=2,
+        head_size=80,
+        block_size=16,
+        dtype=torch.float16,
+        soft_cap=20.0,
+        num_kv_splits=2,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_kernel_full_sweep(head_size, block_size, dtype):
+    for i, group in enumerate(GROUPS):
+        window, soft_cap = WINDOW_AND_CAP[i]
+        for splits in (1, 4):
+            check(
+                triton_ops,
+                mixed_lengths(block_size, 300),
+                group=group,
+                head_size=head_size,
+                block_size=block_size,
+                dtype=dtype,
+                window=window,
+                soft_cap=soft_cap,
+                num_kv_splits=splits,
+            )
 
 
 @pytest.mark.parametrize("lengths", [[(1, 5), (1, 300), (1, 17)], [(40, 40)], [(3, 50), (9, 9)]])

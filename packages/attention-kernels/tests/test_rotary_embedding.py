@@ -7,7 +7,7 @@ import torch
 from ek_inputs import fresh_generator
 
 import ember_kernels as ek
-from ember_kernels import torch_ops
+from ember_kernels import torch_ops, triton_ops
 from ember_kernels.reference import rope_inv_freq_reference, rotary_embedding_reference
 
 LLAMA3 = dict(
@@ -18,7 +18,7 @@ LLAMA3 = dict(
     original_max_position_embeddings=64,
 )
 SCALINGS = {"none": None, "linear": dict(type="linear", factor=4.0), "llama3": LLAMA3}
-BACKENDS = {"torch": torch_ops}
+BACKENDS = {"torch": torch_ops, "triton": triton_ops}
 MAX_POSITION = 2048
 
 

@@ -34,19 +34,23 @@ def paged_attention_reference(
             continue
         num_pages = math.ceil(seq_len / block_size)
         pages = block_table[seq, :num_pages].long()
-        keys = key_cache[pages].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-        values = value_cache[pages].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-        q = query[start:end]  # [q_len, q_heads, head]
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        keys = key_cache[pages].flatten(0, 1)[:seq_len].permute(1, 0, 2)  # [kv_heads, seq, head]
+        values = value_cache[pages].flatten(0, 1)[:seq_len].permute(1, 0, 2)
+        q_len = end - start
+        # [q_len, q_heads, head] -> [kv_heads, group * q_len, head]: the heads sharing a KV head.
+        q = query[start:end].unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * q_len, -1)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [kv_heads, group * q_len, seq]
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        query_pos = torch.arange(seq_len - q_len, seq_len).repeat(group)[:, None]
         key_pos = torch.arange(seq_len)[None, :]
         visible = key_pos <= query_pos
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+        o = torch.matmul(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * q_len, head]
+        out[start:end] = o.view(num_kv_heads, group, q_len, -1).permute(2, 0, 1, 3).flatten(1, 2)
     return out
 
 
