@@ -73,10 +73,17 @@ def test_prefill_then_decode_logits_match_transformers(tiny_model_any):
             done[i] += 1
 
 
-def test_sliding_window_matches_transformers(tiny_model):
-    path = tiny_model("mistral", sliding_window=5)
-    model, hf = _ember_and_hf(path)
-    assert all(layer.self_attn.attn.sliding_window == 5 for layer in model.model.layers)
+@pytest.mark.parametrize(
+    ("arch", "overrides", "windows"),
+    [
+        ("mistral", dict(sliding_window=5), [5, 5]),
+        # Qwen2 slides only on the layers from max_window_layers on.
+        ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1), [None, 6]),
+    ],
+)
+def test_sliding_window_matches_transformers(tiny_model, arch, overrides, windows):
+    model, hf = _ember_and_hf(tiny_model(arch, **overrides))
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == windows
     prompt = torch.arange(3, 40)
     with torch.no_grad():
         expected = hf(prompt[None]).logits[0]

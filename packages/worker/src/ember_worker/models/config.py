@@ -29,6 +29,7 @@ class DecoderConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    rotary_dim: int  # head_dim * partial_rotary_factor
     rope_scaling: dict[str, Any] | None  # HF-style, None for plain RoPE
     max_position_embeddings: int
     qkv_bias: bool  # Qwen2, or Llama with attention_bias
@@ -53,7 +54,7 @@ class DecoderConfig:
         switches = SUPPORTED_ARCHITECTURES[arch]
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling = _rope_parameters(hf_config)
+        theta, scaling, partial = _rope_parameters(hf_config)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
             architecture=arch,
@@ -66,6 +67,7 @@ class DecoderConfig:
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=theta,
+            rotary_dim=int(head_dim * partial),
             rope_scaling=scaling,
             max_position_embeddings=hf_config.max_position_embeddings,
             qkv_bias=switches["qkv_bias"] or attention_bias,
@@ -77,9 +79,9 @@ class DecoderConfig:
         )
 
 
-def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` fields."""
+def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, partial_rotary_factor) from either transformers 5's
+    ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling`` fields."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
@@ -87,10 +89,13 @@ def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(getattr(hf_config, "rope_theta", 10000.0))
         scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    partial = float(
+        scaling.pop("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    )
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return theta, None
-    return theta, {**scaling, "rope_type": rope_type}
+        return theta, None, partial
+    return theta, {**scaling, "rope_type": rope_type}, partial
 
 
 def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:

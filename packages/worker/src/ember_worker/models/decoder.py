@@ -78,7 +78,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_emb = ek.RotaryEmbedding(
             head_dim,
-            head_dim,
+            config.rotary_dim,
             config.max_position_embeddings,
             config.rope_theta,
             is_neox_style=True,
