@@ -307,7 +307,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
-                    block_ids=list(kv.get_block_ids(req_id)),
+                    block_ids=kv.get_block_ids(req_id),
                     num_computed_tokens=num_computed,
                 )
             )
