@@ -136,18 +136,17 @@ def test_leaving_the_stream_aborts_and_frees_kv(loop, engine):
 def test_bad_input_fails_at_the_call_while_others_run(loop, engine, offline):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-    async def consume(stream):
-        return [out async for out in stream]
-
     async def run():
-        good = asyncio.ensure_future(consume(engine.generate("def foo(", params, "good")))
+        good = engine.generate("def foo(", params, "good")
+        outputs = [await anext(good)]
         with pytest.raises(ValueError, match="context length"):
             engine.generate("a " * 400, params, "too-long")
         with pytest.raises(ValueError, match="prompt_token_ids"):
             engine.generate([1, 10**6], params, "bad-ids")
         with pytest.raises(ValueError, match="already in flight"):
             engine.generate("x", params, "good")
-        return await good
+        outputs += [out async for out in good]
+        return outputs
 
     deltas = loop.run_until_complete(run())
     expected = offline.generate("def foo(", params, use_tqdm=False)[0].outputs[0].token_ids

@@ -101,8 +101,8 @@ class AsyncLLM:
         """Stream a request's outputs: deltas when ``stream``, else one final cumulative output.
 
         Input is checked here, at the call (``ValueError`` naming the problem), before anything
-        reaches the engine core. Leaving the iteration early (or cancelling it) aborts the
-        request and frees its KV blocks.
+        reaches the engine core; the request is sent when iteration starts. Leaving the iteration
+        early (or cancelling it) aborts the request and frees its KV blocks.
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -113,14 +113,19 @@ class AsyncLLM:
             request_id, ids, sampling_params, priority
         )
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        return self._stream_outputs(request_id, text, sampling_params, engine_requests, kind)
+
+    async def _stream_outputs(
+        self, request_id, text, sampling_params, engine_requests, kind
+    ) -> AsyncIterator[RequestOutput]:
+        # Registered on first iteration, so a generator that is never iterated leaves nothing.
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
         self.output_processor.add_request(request_id, text, sampling_params, engine_requests, kind)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        return self._stream_outputs(request_id, engine_requests, queue)
-
-    async def _stream_outputs(
-        self, request_id, engine_requests, queue
-    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             await self.client.add_requests(engine_requests)

@@ -46,10 +46,10 @@ class EngineCoreProc:
         """Serve until SHUTDOWN or the parent's death; an exception in a step propagates."""
         core = self.engine_core
         while True:
+            if os.getppid() != parent_pid:
+                return
             busy = core.has_unfinished_requests()
             if not busy and not self.input_socket.poll(_IDLE_POLL_MS):
-                if os.getppid() != parent_pid:
-                    return
                 continue
             handled = self._drain_input()
             if handled is None:
