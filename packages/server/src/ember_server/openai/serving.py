@@ -1,0 +1,152 @@
+"""What every OpenAI route shares: model check, tokenization, context-length check, generation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.openai.errors import OpenAIError, from_value_error
+from ember_server.openai.protocol import OpenAIRequest
+from ember_server.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServing:
+    """Base of the route handlers, bound to one running engine (``AsyncLLM``)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.served_model_name
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int = max(engine.model_config.vocab_size, len(self.tokenizer))
+
+    def check_request(self, request: OpenAIRequest) -> None:
+        """404 for another model's name, 503 when the engine is down; log ignored fields."""
+        model = getattr(request, "model", None)
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        self.check_engine()
+        if request.ignored_fields:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
+
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise OpenAIError("The engine is not running (it failed); see the server log.", 503)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, str]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict | None,
+    ) -> str:
+        """The conversation as prompt text, through the tokenizer's chat template."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, a template that rejects the conversation
+            raise OpenAIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(
+                f"{field} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                400,
+                field,
+            )
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The output budget; 400 when the prompt, or prompt plus ``requested``, exceeds the context.
+
+        Without ``requested``, ``default`` (or else all the room left) is used, capped by the room.
+        """
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {prompt_len} tokens, leaving no room for the completion. "
+                "Please reduce the length of the prompt.",
+                400,
+                "prompt",
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} in the completion). Please reduce the length of the prompt or "
+                "max_tokens.",
+                400,
+                "max_tokens",
+            )
+        return requested
+
+    @staticmethod
+    def sampling_params(build, max_tokens: int) -> SamplingParams:
+        """Build SamplingParams, turning its range errors into 400s naming the field."""
+        try:
+            return build(max_tokens)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        stream: bool,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one prompt; the engine checks it now, so bad input is a 400 before any output."""
+        try:
+            outputs = self.engine.generate(
+                prompt_token_ids, params, request_id, priority=priority, stream=stream
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        return self._abort_unless_finished(outputs, request_id)
+
+    async def _abort_unless_finished(
+        self, outputs: AsyncIterator[RequestOutput], request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Pass outputs through; abort the request if iteration stops before it finished.
+
+        That happens on client disconnect (the stream is cancelled or closed) and on errors. The
+        abort is shielded: Starlette cancels a dropped stream's whole scope.
+        """
+        finished = False
+        try:
+            async for output in outputs:
+                finished = output.finished
+                yield output
+        finally:
+            if not finished and not self.engine.errored:
+                with anyio.CancelScope(shield=True):
+                    await self.engine.abort(request_id)
+
+    def engine_failure(self, exc: BaseException) -> OpenAIError:
+        """The error to report when generation failed for a reason other than bad input."""
+        if isinstance(exc, OpenAIError):
+            return exc
+        if self.engine.errored:
+            return OpenAIError(f"The engine failed while serving this request: {exc}", 503)
+        logger.exception("generation failed", exc_info=exc)
+        return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)

@@ -1,0 +1,201 @@
+"""``POST /v1/completions``: one engine request per prompt, answered whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.openai.errors import OpenAIError, error_body
+from ember_server.openai.logprobs import completion_logprobs
+from ember_server.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from ember_server.openai.serving import OpenAIServing
+from ember_server.openai.sse import DONE, MEDIA_TYPE, sse_event
+from ember_server.openai.streams import ClientDisconnected, merge_async_iterators, until_disconnect
+from ember_server.outputs import RequestOutput
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
+
+
+@dataclasses.dataclass
+class _Prompt:
+    text: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handler of the completions route."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_request(request)
+        prompts = [self._prepare(request, prompt) for prompt in request.prompts()]
+        request_id = random_id("cmpl")
+        streams = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(
+                    self.generate(
+                        p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
+                    )
+                )
+        except OpenAIError:
+            for i in range(len(streams)):  # the prompts the engine already accepted
+                await self.engine.abort(f"{request_id}-{i}")
+            raise
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, prompts, streams), media_type=MEDIA_TYPE
+            )
+        try:
+            finals = await until_disconnect(self._collect(streams), raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise self.engine_failure(exc) from exc
+        return JSONResponse(self._response(request, request_id, prompts, finals).model_dump())
+
+    def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+        if isinstance(prompt, str):
+            token_ids = self.encode(prompt, request.add_special_tokens)
+            text = prompt
+        else:
+            self.check_token_ids(prompt, "prompt")
+            token_ids = list(prompt)
+            text = self.tokenizer.decode(token_ids) if request.echo else ""
+        if not token_ids:
+            raise OpenAIError("prompt must not be empty (it has no tokens)", 400, "prompt")
+        max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), DEFAULT_MAX_TOKENS)
+        return _Prompt(
+            text, token_ids, self.sampling_params(request.to_sampling_params, max_tokens)
+        )
+
+    @staticmethod
+    async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merge_async_iterators(*streams):
+            finals[index] = output
+        return finals  # type: ignore[return-value]
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+        finals: list[RequestOutput],
+    ) -> CompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
+            for output in sorted(final.outputs, key=lambda o: o.index):
+                completion_tokens += len(output.token_ids)
+                prefix = prompt.text if request.echo else ""
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs, _ = completion_logprobs(
+                        output.token_ids,
+                        output.logprobs or [],
+                        request.logprobs,
+                        len(prefix),
+                        self.token_text,
+                    )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=prompt_index * request.n + output.index,
+                        text=prefix + output.text,
+                        logprobs=logprobs,
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
+                    )
+                )
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens)
+        return CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+        streams: list[AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion_tokens = 0
+        text_offsets: dict[int, int] = {}
+        finished: set[int] = set()
+        continuous = request.include_usage and request.stream_options.continuous_usage_stats
+        try:
+            async for prompt_index, delta in merge_async_iterators(*streams):
+                for output in delta.outputs:
+                    index = prompt_index * request.n + output.index
+                    if index in finished:
+                        continue
+                    completion_tokens += len(output.token_ids)
+                    text = output.text
+                    if index not in text_offsets:
+                        text_offsets[index] = 0
+                        if request.echo:
+                            text = prompts[prompt_index].text + text
+                    wants_logprobs = request.logprobs is not None and output.token_ids
+                    if not (text or output.finish_reason or wants_logprobs):
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs, text_offsets[index] = completion_logprobs(
+                            output.token_ids,
+                            output.logprobs or [],
+                            request.logprobs,
+                            text_offsets[index],
+                            self.token_text,
+                        )
+                    if output.finish_reason is not None:
+                        finished.add(index)
+                    usage = None
+                    if continuous:
+                        usage = UsageInfo.of(prompt_tokens, completion_tokens)
+                    choice = CompletionResponseStreamChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
+                    )
+                    yield sse_event(
+                        CompletionStreamResponse(
+                            id=request_id,
+                            created=created,
+                            model=self.model_name,
+                            choices=[choice],
+                            usage=usage,
+                        )
+                    )
+            if request.include_usage:
+                usage = UsageInfo.of(prompt_tokens, completion_tokens)
+                yield sse_event(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage,
+                    )
+                )
+        except Exception as exc:
+            error = self.engine_failure(exc)
+            yield sse_event(error_body(error.message, error.status, error.param))
+        yield DONE

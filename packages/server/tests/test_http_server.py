@@ -1,0 +1,522 @@
+"""The OpenAI-compatible server driven by the official ``openai`` client, checked against ``LLM``.
+
+One server (engine core process included) serves the whole module, behind an API key: starting
+one costs seconds. Sections: good requests, bad input (each case while a good request runs),
+client disconnects, and a bounded soak of mixed requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import pathlib
+import random
+import re
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from server_thread import ServerThread
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine_args import EngineArgs
+
+MODEL_NAME = "tiny-llama"
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPTS = ["def main(argv):\n    ", "The quick brown fox", "import json\n"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def engine_args(tiny_model) -> EngineArgs:
+    return EngineArgs(
+        model=str(tiny_model("llama")),
+        max_model_len=128,
+        max_num_seqs=16,
+        kv_cache_memory=2 * 1024**2,
+        served_model_name=MODEL_NAME,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(engine_args):
+    with ServerThread(engine_args, api_key=API_KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(engine_args):
+    from ember_server.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    yield llm
+    llm.shutdown()
+
+
+def _greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].max_model_len == 128
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_greedy_completions_match_offline(client, offline):
+    expected = offline.generate(PROMPTS, _greedy(), use_tqdm=False)
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS, max_tokens=12, temperature=0.0
+    )
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [e.outputs[0].text for e in expected]
+    assert [c.finish_reason for c in result.choices] == [
+        e.outputs[0].finish_reason for e in expected
+    ]
+    assert result.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    completion_tokens = sum(len(e.outputs[0].token_ids) for e in expected)
+    assert result.usage.completion_tokens == completion_tokens
+    assert result.usage.total_tokens == result.usage.prompt_tokens + completion_tokens
+
+
+def test_greedy_chat_matches_offline(client, offline):
+    expected = offline.chat(CHAT, _greedy(10), use_tqdm=False)[0]
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=10, temperature=0.0
+    )
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.outputs[0].text
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_streamed_completion_equals_whole_one(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0.0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert len(text_chunks) > 1
+
+
+def test_streamed_chat_equals_whole_one(client):
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage == whole.usage
+    plain = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(c.usage is None for c in plain)
+
+
+def test_n_2_with_seed(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=5, n=2)
+    result = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert result.usage.completion_tokens == 16
+    assert result.choices[0].text != result.choices[1].text
+    again = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in result.choices]
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, seed=5, stream=True
+        )
+    )
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=6, n=2, seed=5
+    )
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return (
+            client.completions.create(
+                model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_completion_logprobs(client):
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0.0, logprobs=3
+    )
+    choice = result.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert result.usage.completion_tokens == 6 or choice.finish_reason == "stop"
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0.0
+        assert 3 <= len(top) <= 4
+        assert value == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the best
+        assert top[token] == pytest.approx(value, abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    no_lp = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+    assert no_lp.choices[0].logprobs is None
+
+
+def test_stop_strings(client):
+    base = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0.0)
+    full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop and full.index(stop) > 0
+    cut = client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        **base, stop=stop, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
+    streamed = client.completions.create(
+        **base, stop=[stop], stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_usage_accounting(server, client):
+    prompt = PROMPTS[1]
+    count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": prompt}, headers=AUTH).json()[
+        "count"
+    ]
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True}
+    )
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (count, 7)
+    assert result.choices[0].finish_reason == "length"
+    token_prompt = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3)
+    assert token_prompt.usage.prompt_tokens == 4
+
+
+def test_default_max_tokens(client):
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.completion_tokens == 16  # OpenAI's default for completions
+    long_chat = [{"role": "user", "content": "the quick brown fox " * 11}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=long_chat, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens > 60
+    assert chat.usage.total_tokens == 128  # chat: up to the context length
+
+
+def test_echo(client):
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0.0, echo=True
+    )
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0.0
+    )
+    assert result.choices[0].text == PROMPTS[2] + plain.choices[0].text
+
+
+def test_tokenize_detokenize(server):
+    url = server.base_url
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "hello world"}, headers=AUTH).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 128
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH)
+    assert text.json()["prompt"].endswith("hello world")
+    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT}, headers=AUTH).json()
+    assert chat["count"] > tokens["count"]
+
+
+def test_metrics_use_vllm_names(server, client):
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in (
+        "ember:time_to_first_token_seconds_bucket",
+        "ember:inter_token_latency_seconds_bucket",
+        "ember:e2e_request_latency_seconds_bucket",
+        "ember:num_requests_running",
+        "ember:num_requests_waiting",
+        "ember:kv_cache_usage_perc",
+        "ember:prefix_cache_queries_total",
+        "ember:prefix_cache_hits_total",
+        "ember:num_preemptions_total",
+        "ember:prompt_tokens_total",
+        "ember:generation_tokens_total",
+    ):
+        assert name in text, name
+    assert server.metric("ember:generation_tokens_total") >= 3
+
+
+def test_api_key(server):
+    url = f"{server.base_url}/v1/models"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.get(url, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url, headers=AUTH).status_code == 200
+    for open_path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{server.base_url}{open_path}").status_code == 200
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
+
+
+# --- bad input: every case gets its status and an OpenAI error body; a good request goes on ---
+
+LONG_PROMPT = list(range(20, 220))  # 200 tokens, over the 128-token context
+BAD_REQUESTS = [
+    # (route, body or raw bytes, status, param or None)
+    ("completions", b'{"model": "tiny-llama", "prompt": "x",', 400, None),
+    ("completions", b"[1, 2, 3]", 400, None),
+    ("completions", b"", 400, None),
+    ("completions", {"model": MODEL_NAME}, 400, "prompt"),
+    ("chat/completions", {"model": MODEL_NAME}, 400, "messages"),
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": 12}, 400, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "x", "presence_penalty": 9.0}, 400, "presence_penalty"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "logprobs": 50}, 400, None),
+    ("completions", {"prompt": "x", "stream": True, "top_k": -5}, 400, "top_k"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, None),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ("completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("completions", {"prompt": LONG_PROMPT, "stream": True}, 400, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 1000}, 400, "max_tokens"),
+    ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, None),
+    ("completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": CHAT, "model": "gpt-4", "stream": True}, 404, "model"),
+    ("nothing/here", {"prompt": "x"}, 404, None),
+]
+
+
+def test_bad_input_while_a_good_request_runs(server, client):
+    good = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0.0)
+    expected = client.completions.create(**good, extra_body={"ignore_eos": True})
+    with httpx.Client(base_url=f"{server.base_url}/v1", headers=AUTH, timeout=60) as http:
+        stream_body = {**good, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/completions", json=stream_body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            for route, body, status, param in BAD_REQUESTS:
+                if isinstance(body, bytes):
+                    headers = {"content-type": "application/json"}
+                    response = http.post(f"/{route}", content=body, headers=headers)
+                else:
+                    response = http.post(f"/{route}", json=body)
+                assert response.status_code == status, (route, body, response.text)
+                assert response.headers["content-type"].startswith("application/json")
+                error = response.json()["error"]
+                assert error["code"] == status and error["message"] and error["type"], error
+                if param is not None:
+                    assert error["param"] == param, (body, error)
+            rest = [first, *lines]
+    chunks = [line[5:].strip() for line in rest if line.startswith("data:")]
+    assert chunks[-1] == "[DONE]"
+    text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+    assert text == expected.choices[0].text
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_context_error_messages_say_what_is_wrong(server):
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json={"prompt": LONG_PROMPT}, headers=AUTH
+    )
+    assert "maximum context length is 128 tokens" in response.json()["error"]["message"]
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json={"prompt": "x", "model": "gpt-4"}, headers=AUTH
+    )
+    assert response.json()["error"]["message"] == "The model `gpt-4` does not exist."
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="x", temperature=-1.0)
+    assert info.value.status_code == 400 and "temperature" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+# --- client disconnects: the request is aborted and its KV blocks are freed ---
+
+
+def _raw_request(server, path: str, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(head + payload)
+    return sock
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _assert_idle(server) -> None:
+    """No request left anywhere: KV usage and running/waiting gauges at zero, front end empty."""
+    _wait_for(lambda: server.metric("ember:kv_cache_usage_perc") == 0.0, "KV usage at zero")
+    assert server.metric("ember:num_requests_running") == 0
+    assert server.metric("ember:num_requests_waiting") == 0
+    assert server.engine.output_processor.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_disconnect_aborts_and_frees_kv(server, route, stream):
+    _assert_idle(server)
+    generated_before = server.metric("ember:generation_tokens_total")
+    body = dict(model=MODEL_NAME, max_tokens=80, ignore_eos=True, stream=stream, n=2)
+    body.update(prompt=PROMPTS[0]) if route == "completions" else body.update(messages=CHAT)
+    sock = _raw_request(server, f"/v1/{route}", body)
+    if stream:
+        assert b"200 OK" in sock.recv(4096)  # headers, then at least the first event
+    _wait_for(lambda: server.metric("ember:kv_cache_usage_perc") > 0.0, "the request to run")
+    sock.close()
+    _assert_idle(server)
+    generated = server.metric("ember:generation_tokens_total") - generated_before
+    assert generated < 2 * 80  # cut short, not run to max_tokens
+
+
+# --- soak: mixed requests, some dropped by their clients; nothing leaks ---
+
+
+def _engine_rss_kib(server) -> int:
+    status = pathlib.Path(f"/proc/{server.engine.engine_core_pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+
+
+async def _soak(server, num_requests: int, seed: int) -> dict[str, int]:
+    rng = random.Random(seed)
+    counts = {"ok": 0, "dropped": 0}
+    gate = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(
+        base_url=f"{server.base_url}/v1", headers=AUTH, timeout=120
+    ) as http:
+
+        async def one(i: int) -> None:
+            chat = rng.random() < 0.5
+            body = dict(
+                max_tokens=rng.randint(1, 24),
+                temperature=rng.choice([0.0, 0.8]),
+                n=rng.choice([1, 1, 2]),
+                stream=rng.random() < 0.5,
+                seed=i,
+            )
+            if rng.random() < 0.3:
+                body["stop"] = ["e", "\n"]
+            if chat:
+                body["messages"] = [{"role": "user", "content": PROMPTS[i % 3] * rng.randint(1, 4)}]
+                route = "/chat/completions"
+            else:
+                body["prompt"] = PROMPTS[i % 3] * rng.randint(1, 4)
+                route = "/completions"
+            drop = rng.random() < 0.25
+            async with gate:
+                if body["stream"]:
+                    async with http.stream("POST", route, json=body) as response:
+                        assert response.status_code == 200
+                        async for line in response.aiter_lines():
+                            if drop:
+                                break  # leaving the block closes the connection mid-stream
+                            if line.startswith("data:") and "[DONE]" in line:
+                                counts["ok"] += 1
+                else:
+                    request = http.post(route, json=body)
+                    if drop:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(request, timeout=rng.uniform(0.01, 0.3))
+                    else:
+                        response = await request
+                        assert response.status_code == 200, response.text
+                        assert len(response.json()["choices"]) == body["n"]
+                        counts["ok"] += 1
+            counts["dropped"] += drop
+
+        await asyncio.gather(*(one(i) for i in range(num_requests)))
+    return counts
+
+
+def _soak_and_check(server, num_requests: int) -> None:
+    asyncio.run(_soak(server, 16, seed=1))  # warm-up: reach the steady-state memory
+    _assert_idle(server)
+    rss_before = _engine_rss_kib(server)
+    counts = asyncio.run(_soak(server, num_requests, seed=2))
+    assert counts["dropped"] > num_requests // 10 and counts["ok"] > num_requests // 2
+    _assert_idle(server)
+    growth_mib = (_engine_rss_kib(server) - rss_before) / 1024
+    assert growth_mib < 64, f"engine memory grew {growth_mib:.0f} MiB over the soak"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_soak_mixed_requests_leak_nothing(server):
+    _soak_and_check(server, 40)
+
+
+@pytest.mark.slow
+def test_long_soak_mixed_requests_leak_nothing(server):
+    _soak_and_check(server, 300)
