@@ -8,6 +8,10 @@ For max_model_len 32768 and 131072, with rows of 500 and 800 tokens, times:
 Prints microseconds per operation (best of several repeats) and ratios measured in this run:
 ours against the baseline, and ours at 131072 against ours at 32768 (should stay near 1).
 
+Also times ``prepare_inputs`` (input ids, positions, slot mapping, query offsets, logits indices)
+for a decode step of 64 requests and a prefill step of 4 × 512 tokens, against a Python loop over
+the tokens building the same arrays.
+
 Run: python3 packages/worker/benchmarks/bench_input_batch.py
 """
 
@@ -83,6 +87,60 @@ def condense_us(batch: InputBatch) -> float:
     return best * 1e6
 
 
+def loop_prepare(batch: InputBatch, num_scheduled: np.ndarray, out: dict) -> None:
+    """The per-token Python loop that vectorized preparation replaces, into the same kind of
+    preallocated numpy buffers."""
+    input_ids, positions, slots = out["input_ids"], out["positions"], out["slot_mapping"]
+    query_start, seq_lens, logits_indices = out["query_start"], out["seq_lens"], out["logits"]
+    tokens, blocks, computed = batch.token_ids_cpu, batch.block_table_cpu, batch.num_computed_tokens
+    i = 0
+    for row, count in enumerate(num_scheduled.tolist()):
+        start = int(computed[row])
+        for pos in range(start, start + count):
+            input_ids[i] = tokens[row, pos]
+            positions[i] = pos
+            slots[i] = blocks[row, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            i += 1
+        query_start[row + 1] = i
+        seq_lens[row] = start + count
+        logits_indices[row] = i - 1
+
+
+def prepare_results() -> dict[str, tuple[float, float]]:
+    results = {}
+    for name, num_reqs, length, computed in (
+        ("decode 64 x 1", 64, 800, 799),
+        ("prefill 4 x 512", 4, 512, 0),
+    ):
+        batch = InputBatch(64, 32768, 8192, BLOCK_SIZE, VOCAB)
+        for i in range(num_reqs):
+            req = request(f"r{i}", length, i)
+            req.num_computed_tokens = computed
+            batch.add_request(req)
+        num_scheduled = np.full(num_reqs, length - computed, dtype=np.int32)
+        ours = batch.prepare_inputs(num_scheduled)
+        out = {
+            name: np.zeros(8192, dtype=np.int64)
+            for name in (
+                "input_ids",
+                "positions",
+                "slot_mapping",
+                "query_start",
+                "seq_lens",
+                "logits",
+            )
+        }
+        loop_prepare(batch, num_scheduled, out)
+        total = ours.num_tokens
+        assert ours.slot_mapping.tolist() == out["slot_mapping"][:total].tolist(), "disagreement"
+        assert ours.input_ids.tolist() == out["input_ids"][:total].tolist(), "disagreement"
+        results[name] = (
+            best_us(lambda b=batch, s=num_scheduled: b.prepare_inputs(s), calls=200),
+            best_us(lambda b=batch, s=num_scheduled, o=out: loop_prepare(b, s, o), calls=5),
+        )
+    return results
+
+
 def main() -> None:
     results = {}
     for max_model_len in (32768, 131072):
@@ -104,6 +162,10 @@ def main() -> None:
     (s32, c32, _), (s128, c128, _) = results[32768], results[131072]
     print(f"swap at 131072 / swap at 32768: {s128 / s32:.2f}")
     print(f"remove+condense at 131072 / at 32768: {c128 / c32:.2f}")
+    print()
+    print(f"{'prepare_inputs':>16} {'ours us':>9} {'token loop us':>14} {'ratio':>7}")
+    for name, (ours, loop) in prepare_results().items():
+        print(f"{name:>16} {ours:>9.1f} {loop:>14.1f} {ours / loop:>7.4f}")
 
 
 if __name__ == "__main__":

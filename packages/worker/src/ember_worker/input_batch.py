@@ -125,6 +125,7 @@ class InputBatch:
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self._num_rows = 0  # rows in use, holes included
+        self._has_draft_tokens = False  # some row's num_tokens counts draft tokens
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
 
         # Step buffers for prepare_inputs.
@@ -142,19 +143,12 @@ class InputBatch:
         self._query_start_loc_np = self._query_start_loc_t.numpy()
         self._seq_lens_np = self._seq_lens_t.numpy()
         self._logits_indices_np = self._logits_indices_t.numpy()
+        self._step_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         if self.device.type != "cpu":
-            self._device_buffers = {
-                name: torch.empty_like(getattr(self, name), device=self.device)
-                for name in (
-                    "_input_ids_t",
-                    "_positions_t",
-                    "_slot_mapping_t",
-                    "_query_start_loc_t",
-                    "_seq_lens_t",
-                    "_logits_indices_t",
-                    "_block_table_cpu_t",
-                )
-            }
+            self._device_buffers = [
+                torch.empty_like(buffer, device=self.device)
+                for buffer in self._make_step_views(max_num_reqs, max_tokens)
+            ]
 
     # ------------------------------------------------------------------ membership
 
@@ -240,6 +234,7 @@ class InputBatch:
             return None
         self._req_ids[row] = None
         self.num_tokens[row] = 0
+        self.num_tokens_no_spec[row] = 0
         self.num_blocks[row] = 0
         if row == self._num_rows - 1:
             self._num_rows -= 1
@@ -361,30 +356,32 @@ class InputBatch:
             )
         cu = num_sched.cumsum()
         total = int(cu[-1])
-        self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+        self._drop_draft_tokens()
         if spec_decode_tokens:
             self._write_spec_tokens(spec_decode_tokens)
         computed = self.num_computed_tokens[:n].astype(np.int64)
         seq_lens = computed + num_sched
-        # One reduction for every check; the error path works out which one failed.
-        bad = (num_sched < 0) | (seq_lens > self.num_tokens[:n])
-        bad |= (seq_lens + (self.block_size - 1)) // self.block_size > self.num_blocks[:n]
-        if total <= 0 or total > self.max_num_batched_tokens or bad.any():
+        # One reduction for every check (tokens held, room in the blocks, non-negative counts);
+        # the error path works out which one failed.
+        capacity = np.minimum(self.num_tokens[:n], self.num_blocks[:n] * self.block_size)
+        slack = np.minimum(capacity - seq_lens, num_sched)
+        if total <= 0 or total > self.max_num_batched_tokens or slack.min() < 0:
             self._raise_bad_schedule(num_sched, computed, total)
         self._num_scheduled[:n] = num_sched
 
-        # Row of each token, and its offset within the row's scheduled run.
-        req_indices = self._arange[:n].repeat(num_sched)
-        offsets = self._arange[:total] - (cu - num_sched).repeat(num_sched)
         positions = self._positions_np[:total]
-        np.add(computed[req_indices], offsets, out=positions)
+        max_query_len = int(num_sched.max())
+        if max_query_len == 1 and total == n:  # every row decodes one token
+            req_indices = self._arange[:n]
+            positions[:] = computed
+        else:
+            # Row of each token, and its offset within the row's scheduled run.
+            req_indices = self._arange[:n].repeat(num_sched)
+            offsets = self._arange[:total] - (cu - num_sched).repeat(num_sched)
+            np.add(computed[req_indices], offsets, out=positions)
 
-        self._input_ids_np[:total] = self.token_ids_cpu.reshape(-1)[
-            req_indices * self.max_model_len + positions
-        ]
-        block_numbers = self.block_table_cpu.reshape(-1)[
-            req_indices * self.max_blocks_per_req + positions // self.block_size
-        ]
+        self._input_ids_np[:total] = self.token_ids_cpu[req_indices, positions]
+        block_numbers = self.block_table_cpu[req_indices, positions // self.block_size]
         slot_mapping = self._slot_mapping_np[:total]
         np.multiply(block_numbers, self.block_size, out=slot_mapping)
         slot_mapping += positions % self.block_size
@@ -392,27 +389,40 @@ class InputBatch:
         self._query_start_loc_np[1 : n + 1] = cu
         self._seq_lens_np[:n] = seq_lens
         np.maximum(cu - 1, 0, out=self._logits_indices_np[:n])
-
-        def out(name: str, length: int) -> torch.Tensor:
-            cpu = getattr(self, name)[:length]
-            if self.device.type == "cpu":
-                return cpu
-            dev = self._device_buffers[name][:length]
-            dev.copy_(cpu, non_blocking=True)
-            return dev
-
+        views = self._step_views.get((n, total))
+        if views is None:
+            views = self._step_views[(n, total)] = self._make_step_views(n, total)
+        if self.device.type != "cpu":
+            views = self._copy_to_device(views)
         return ModelInputs(
-            input_ids=out("_input_ids_t", total),
-            positions=out("_positions_t", total),
-            slot_mapping=out("_slot_mapping_t", total),
-            query_start_loc=out("_query_start_loc_t", n + 1),
-            seq_lens=out("_seq_lens_t", n),
-            block_table=out("_block_table_cpu_t", n),
-            logits_indices=out("_logits_indices_t", n),
-            max_query_len=int(num_sched.max()),
+            *views,
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             num_tokens=total,
         )
+
+    def _make_step_views(self, n: int, total: int) -> tuple[torch.Tensor, ...]:
+        """Tensor views of the step buffers for ``n`` rows and ``total`` tokens, in
+        ``ModelInputs`` order; cached by size, as slicing tensors costs more than the math."""
+        if len(self._step_views) >= 1024:
+            self._step_views.clear()
+        return (
+            self._input_ids_t[:total],
+            self._positions_t[:total],
+            self._slot_mapping_t[:total],
+            self._query_start_loc_t[: n + 1],
+            self._seq_lens_t[:n],
+            self._block_table_cpu_t[:n],
+            self._logits_indices_t[:n],
+        )
+
+    def _copy_to_device(self, views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        copies = []
+        for view, device_buffer in zip(views, self._device_buffers):
+            target = device_buffer[: view.shape[0]]
+            target.copy_(view, non_blocking=True)
+            copies.append(target)
+        return tuple(copies)
 
     def _raise_bad_schedule(self, num_sched: np.ndarray, computed: np.ndarray, total: int) -> None:
         n = len(num_sched)
@@ -437,6 +447,11 @@ class InputBatch:
             f"{seq_lens[row]} tokens"
         )
 
+    def _drop_draft_tokens(self) -> None:
+        if self._has_draft_tokens:
+            self.num_tokens[:] = self.num_tokens_no_spec
+            self._has_draft_tokens = False
+
     def _write_spec_tokens(self, spec_decode_tokens: dict[str, list[int]]) -> None:
         for req_id, drafts in spec_decode_tokens.items():
             if not drafts:
@@ -451,6 +466,7 @@ class InputBatch:
                 )
             self.token_ids_cpu[row, start:end] = drafts
             self.num_tokens[row] = end
+            self._has_draft_tokens = True
 
     def append_sampled_tokens(self, sampled: np.ndarray | list[list[int]]) -> list[list[int]]:
         """Append each row's new tokens; returns what each row actually received.
@@ -464,38 +480,32 @@ class InputBatch:
         if isinstance(sampled, list):
             if len(sampled) != n:
                 raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
+            ends = self.num_tokens_no_spec[:n] + np.array([len(t) for t in sampled], dtype=np.int64)
+            if n and ends.max() > self.max_model_len:
+                raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
             for row, tokens in enumerate(sampled):
                 if tokens:
-                    self._append_row(row, tokens)
-            self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+                    self.token_ids_cpu[row, ends[row] - len(tokens) : ends[row]] = tokens
+            self.num_tokens_no_spec[:n] = ends
+            self.num_tokens[:n] = ends
+            self._drop_draft_tokens()
             return [list(tokens) for tokens in sampled]
 
         tokens = np.asarray(sampled).reshape(-1)
         if tokens.shape != (n,):
             raise ValueError(f"sampled must have {n} rows, got shape {np.shape(sampled)}")
-        state = self.rows[:n]
-        reached_end = (
-            state["num_computed_tokens"] + state["num_scheduled_tokens"]
-            >= state["num_tokens_no_spec"]
-        ) & (state["num_scheduled_tokens"] > 0)
+        scheduled = self._num_scheduled[:n]
+        held = self.num_tokens_no_spec[:n]
+        reached_end = (self.num_computed_tokens[:n] + scheduled >= held) & (scheduled > 0)
         rows = np.flatnonzero(reached_end)
-        ends = self.num_tokens_no_spec[rows]
-        if np.any(ends >= self.max_model_len):
-            raise ValueError(f"a request would exceed max_model_len {self.max_model_len}")
+        ends = held[rows]
+        if len(rows) and ends.max() >= self.max_model_len:
+            raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
         self.token_ids_cpu[rows, ends] = tokens[rows]
         self.num_tokens_no_spec[rows] = ends + 1
-        self.num_tokens[:n] = self.num_tokens_no_spec[:n]
+        self.num_tokens[rows] = ends + 1
+        self._drop_draft_tokens()
         return [[t] if ok else [] for t, ok in zip(tokens.tolist(), reached_end.tolist())]
-
-    def _append_row(self, row: int, tokens: list[int]) -> None:
-        start = self.num_tokens_no_spec[row]
-        end = start + len(tokens)
-        if end > self.max_model_len:
-            raise ValueError(
-                f"{self._req_ids[row]!r} would exceed max_model_len {self.max_model_len}"
-            )
-        self.token_ids_cpu[row, start:end] = tokens
-        self.num_tokens_no_spec[row] = end
 
     def sampling_metadata(self) -> SamplingMetadata:
         """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, as tensors."""
