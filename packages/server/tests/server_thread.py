@@ -74,6 +74,15 @@ class ServerThread:
         """Run ``coro`` on the server's event loop (e.g. to ask the engine something)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def wait_for_metric(self, name: str, condition, timeout: float = 60.0) -> float:
+        """Poll ``/metrics`` until ``condition(value)`` holds; the value."""
+        deadline = time.monotonic() + timeout
+        while not condition(value := self.metric(name)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} stayed at {value} for {timeout} s")
+            time.sleep(0.05)
+        return value
+
     def metric(self, name: str) -> float:
         """The value of one ``ember:`` gauge or counter from ``/metrics``."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text

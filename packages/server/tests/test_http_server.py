@@ -15,7 +15,6 @@ import pathlib
 import random
 import re
 import socket
-import time
 
 import httpx
 import openai
@@ -409,17 +408,9 @@ def _raw_request(server, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _assert_idle(server) -> None:
     """No request left anywhere: KV usage and running/waiting gauges at zero, front end empty."""
-    _wait_for(lambda: server.metric("ember:kv_cache_usage_perc") == 0.0, "KV usage at zero")
+    server.wait_for_metric("ember:kv_cache_usage_perc", lambda v: v == 0.0)
     assert server.metric("ember:num_requests_running") == 0
     assert server.metric("ember:num_requests_waiting") == 0
     assert server.engine.output_processor.get_num_unfinished_requests() == 0
@@ -435,7 +426,7 @@ def test_disconnect_aborts_and_frees_kv(server, route, stream):
     sock = _raw_request(server, f"/v1/{route}", body)
     if stream:
         assert b"200 OK" in sock.recv(4096)  # headers, then at least the first event
-    _wait_for(lambda: server.metric("ember:kv_cache_usage_perc") > 0.0, "the request to run")
+    server.wait_for_metric("ember:kv_cache_usage_perc", lambda v: v > 0.0)
     sock.close()
     _assert_idle(server)
     generated = server.metric("ember:generation_tokens_total") - generated_before

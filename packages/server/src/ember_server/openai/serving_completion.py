@@ -43,18 +43,12 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         prompts = [self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
-        streams = []
-        try:
-            for i, p in enumerate(prompts):
-                streams.append(
-                    self.generate(
-                        p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
-                    )
-                )
-        except OpenAIError:
-            for i in range(len(streams)):  # the prompts the engine already accepted
-                await self.engine.abort(f"{request_id}-{i}")
-            raise
+        streams = [
+            self.generate(
+                p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
+            )
+            for i, p in enumerate(prompts)
+        ]
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, prompts, streams), media_type=MEDIA_TYPE
