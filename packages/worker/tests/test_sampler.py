@@ -75,7 +75,7 @@ def test_metadata_leaves_out_unused_features_and_neutralizes_greedy_rows():
     meta = batch.sampling_metadata()
     assert not meta.all_greedy and not meta.all_random
     # The greedy row would otherwise force ranking the whole vocabulary.
-    assert meta.top_k.tolist() == [1, 3]
+    assert meta.top_k.tolist() == [1, 3] and meta.top_k.dtype == torch.int32
     assert meta.top_p is None and meta.min_p is None and meta.no_penalties
     assert meta.has_seed is None and meta.max_num_logprobs is None
     greedy_only = batch_of(SamplingParams(temperature=0.0, top_k=5, seed=1)).sampling_metadata()

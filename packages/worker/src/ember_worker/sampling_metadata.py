@@ -26,7 +26,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_p: torch.Tensor | None  # float32 [n]; 1.0 disables
-    top_k: torch.Tensor | None  # int64 [n]; 0 disables
+    top_k: torch.Tensor | None  # int32 [n]; 0 disables
     min_p: torch.Tensor | None  # float32 [n]; 0.0 disables
     presence_penalties: torch.Tensor | None  # float32 [n]
     frequency_penalties: torch.Tensor | None  # float32 [n]
@@ -62,7 +62,7 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
         values = state[field]
         if all_greedy or not np.any(values[~greedy] != neutral):
             return None
-        return to_device(np.where(greedy, greedy_value, values))
+        return to_device(np.where(greedy, greedy_value, values).astype(values.dtype))
 
     presence_used = state["presence_penalty"] != 0.0
     frequency_used = state["frequency_penalty"] != 0.0
