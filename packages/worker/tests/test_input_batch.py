@@ -313,6 +313,17 @@ def test_spec_tokens_count_in_the_prefix_and_are_dropped_after_the_step():
     assert batch.num_tokens[:2].tolist() == [6, 4]
 
 
+def test_rejected_drafts_leave_the_row_as_it_was():
+    batch = make_batch()
+    batch.add_request(new_req("x", [1, 2, 3], blocks=[0]))  # one block: room for 4 tokens
+    batch.set_num_computed_tokens("x", 2)
+    with pytest.raises(ValueError, match="block_ids"):
+        batch.prepare_inputs(np.array([4], dtype=np.int32), {"x": [7, 8, 9]})
+    assert batch.num_tokens[0] == batch.num_tokens_no_spec[0] == 3
+    inputs = batch.prepare_inputs(np.array([2], dtype=np.int32), {"x": [7]})
+    assert inputs.input_ids.tolist() == [3, 7]
+
+
 def test_bad_input_is_rejected_without_changing_state():
     batch = make_batch(max_num_reqs=2, max_model_len=8)
     batch.add_request(new_req("a", [1, 2]))
