@@ -7,6 +7,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
@@ -95,6 +97,48 @@ def test_add_then_prepare_inputs_matches_reference():
     assert inputs.num_tokens == len(ids)
     for i, (_, blocks, _) in enumerate(reqs):
         assert inputs.block_table[i, : len(blocks)].tolist() == blocks
+
+
+@st.composite
+def schedules(draw):
+    """Rows of random length, computed prefix and scheduled count (zeros included)."""
+    rows = []
+    for _ in range(draw(st.integers(1, 6))):
+        length = draw(st.integers(1, 40))
+        computed = draw(st.integers(0, length))
+        scheduled = draw(st.integers(0, length - computed))
+        rows.append((length, computed, scheduled))
+    if sum(r[2] for r in rows) == 0:
+        length, computed, _ = rows[0]
+        rows[0] = (length, length - 1, 1)
+    return rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(schedules(), st.integers(0, 2**31 - 1))
+def test_prepare_inputs_matches_a_per_token_reference(rows, seed):
+    rng = np.random.default_rng(seed)
+    batch = make_batch(max_num_reqs=6, max_model_len=40)
+    expected = {"ids": [], "pos": [], "slots": [], "last": [], "qsl": [0]}
+    for i, (length, computed, scheduled) in enumerate(rows):
+        tokens = rng.integers(0, VOCAB, length).tolist()
+        blocks = rng.integers(0, 5000, -(-length // BLOCK)).tolist()
+        batch.add_request(new_req(f"r{i}", tokens, blocks=blocks, computed=computed))
+        for p in range(computed, computed + scheduled):
+            expected["ids"].append(tokens[p])
+            expected["pos"].append(p)
+            expected["slots"].append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        expected["qsl"].append(expected["qsl"][-1] + scheduled)
+        expected["last"].append(max(expected["qsl"][-1] - 1, 0))
+    poison_padding(batch)
+    inputs = batch.prepare_inputs(np.array([r[2] for r in rows], dtype=np.int32))
+    assert inputs.input_ids.tolist() == expected["ids"]
+    assert inputs.positions.tolist() == expected["pos"]
+    assert inputs.slot_mapping.tolist() == expected["slots"]
+    assert inputs.query_start_loc.tolist() == expected["qsl"]
+    assert inputs.logits_indices.tolist() == expected["last"]
+    assert inputs.seq_lens.tolist() == [c + s for _, c, s in rows]
+    assert inputs.max_query_len == max(r[2] for r in rows)
 
 
 def test_remove_leaves_hole_and_condense_moves_last_rows():
