@@ -35,15 +35,19 @@ def measure(
     from ember_server.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args))
-    prompts = random_prompts(batch_size, input_len, llm.model_config.vocab_size, engine_args.seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    for _ in range(num_iters_warmup):
-        llm.generate(prompts, params, use_tqdm=False)
-    latencies = []
-    for _ in range(num_iters):
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        latencies.append(time.perf_counter() - start)
+    try:
+        vocab_size = llm.model_config.vocab_size
+        prompts = random_prompts(batch_size, input_len, vocab_size, seed=engine_args.seed)
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        for _ in range(num_iters_warmup):
+            llm.generate(prompts, params, use_tqdm=False)
+        latencies = []
+        for _ in range(num_iters):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            latencies.append(time.perf_counter() - start)
+    finally:
+        llm.shutdown()
     return dict(
         batch_size=batch_size,
         input_len=input_len,

@@ -19,9 +19,6 @@ import httpx
 
 from ember_server.bench.common import add_workload_args, percentiles_ms, random_prompts, write_json
 
-# Prompt ids are drawn below this bound, valid in any real vocabulary (and the demo model's).
-PROMPT_VOCAB_BOUND = 1000
-
 
 @dataclasses.dataclass
 class RequestResult:
@@ -155,11 +152,11 @@ async def sweep(
     """One warm-up request, then ``run_level`` at each concurrency (at least one prompt each)."""
     base_url = base_url.rstrip("/")
     model = model or await server_model(base_url, api_key)
-    warmup = random_prompts(1, input_len, PROMPT_VOCAB_BOUND, seed=seed + 1)
+    warmup = random_prompts(1, input_len, seed=seed + 1)
     await run_level(base_url, model, warmup, output_len, 1, api_key)
     levels = []
     for concurrency in concurrencies:
-        prompts = random_prompts(max(num_prompts, concurrency), input_len, PROMPT_VOCAB_BOUND, seed)
+        prompts = random_prompts(max(num_prompts, concurrency), input_len, seed=seed)
         levels.append(await run_level(base_url, model, prompts, output_len, concurrency, api_key))
     return dict(
         base_url=base_url, model=model, input_len=input_len, output_len=output_len, levels=levels

@@ -24,13 +24,16 @@ def measure(engine_args: EngineArgs, num_prompts: int, input_len: int, output_le
     from ember_server.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args))
-    vocab_size = llm.model_config.vocab_size
-    prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], params.clone(max_tokens=2), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        vocab_size = llm.model_config.vocab_size
+        prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:2], params.clone(max_tokens=2), use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(
         num_requests=num_prompts,

@@ -1,0 +1,140 @@
+"""Serving efficiency and start-up time of ``ember serve`` on the built-in demo model.
+
+In one run, on the same model and engine settings:
+1. offline throughput (``ember bench throughput``'s measurement, engine in this process): the
+   baseline;
+2. start-up: the time from launching ``python -m ember_server serve`` to the first streamed token
+   of a first request;
+3. ``ember bench serve``'s sweep at concurrency 1, 16 and 64 against that server.
+
+It prints each level's output tokens/s as a ratio to the offline baseline (the server's
+efficiency: HTTP, SSE, tokenization and the process hop cost what is lost), TTFT and ITL. Timings
+on a shared machine are noisy; the ratios are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from ember_server.bench import serve as bench_serve
+from ember_server.bench import throughput
+from ember_server.bench.common import random_prompts, write_json
+from ember_server.cli import demo_model_path
+from ember_server.engine_args import EngineArgs
+
+ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}
+# Requests per concurrency level: enough to keep every slot busy a few times over.
+REQUESTS_PER_LEVEL = {1: 6, 16: 32, 64: 64}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(port: int) -> tuple[subprocess.Popen, float]:
+    """Launch ``ember serve`` (demo model) and stream one token; (process, seconds to it)."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    command = [sys.executable, "-m", "ember_server", "serve", f"--port={port}", *flags]
+    command.append("--uvicorn-log-level=warning")
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    body = dict(prompt=[20, 21, 22, 23], max_tokens=1, stream=True)
+    deadline = start + 300
+    while time.perf_counter() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ember serve exited with code {process.returncode}")
+        try:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:") and '"text"' in line:
+                        return process, time.perf_counter() - start
+        except httpx.TransportError:
+            time.sleep(0.05)
+    process.kill()
+    raise TimeoutError("ember serve did not answer within 300 s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def _sweep(base_url: str, input_len: int, output_len: int) -> list[dict]:
+    model = await bench_serve.server_model(base_url, None)
+    warmup = random_prompts(2, input_len, seed=99)
+    await bench_serve.run_level(base_url, model, warmup, output_len, 2)
+    levels = []
+    for concurrency, count in REQUESTS_PER_LEVEL.items():
+        prompts = random_prompts(count, input_len, seed=concurrency)
+        levels.append(
+            await bench_serve.run_level(base_url, model, prompts, output_len, concurrency)
+        )
+    return levels
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--offline-prompts", type=int, default=64)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    model = demo_model_path()
+    offline = throughput.measure(
+        EngineArgs(model=model, **ENGINE_FLAGS),
+        args.offline_prompts,
+        args.input_len,
+        args.output_len,
+    )
+    baseline = offline["output_throughput"]
+    print(
+        f"offline baseline: {baseline:.1f} output tok/s "
+        f"({args.offline_prompts} requests, {args.input_len} in / {args.output_len} out)"
+    )
+
+    port = _free_port()
+    process, startup_s = _start_server(port)
+    try:
+        print(f"start-up (command to first streamed token): {startup_s:.1f} s")
+        levels = asyncio.run(_sweep(f"http://127.0.0.1:{port}", args.input_len, args.output_len))
+    finally:
+        _stop(process)
+
+    print(
+        f"{'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'vs offline':>10} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'failed':>6}"
+    )
+    for level in levels:
+        level["ratio_to_offline"] = level["output_throughput"] / baseline
+        print(
+            f"{level['concurrency']:>5} {level['num_requests']:>5} "
+            f"{level['request_throughput']:>7.2f} {level['output_throughput']:>10.1f} "
+            f"{level['ratio_to_offline']:>9.2f}x {level['ttft']['p50_ms']:>7.0f}ms "
+            f"{level['ttft']['p99_ms']:>7.0f}ms {level['itl']['p50_ms']:>6.0f}ms "
+            f"{level['itl']['p99_ms']:>6.0f}ms {level['failed']:>6}"
+        )
+    results = dict(offline=offline, startup_s=startup_s, levels=levels)
+    write_json(args.output_json, results)
+    return 0 if all(level["failed"] == 0 for level in levels) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
