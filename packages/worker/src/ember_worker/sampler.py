@@ -65,11 +65,12 @@ class Sampler:
         logprobs, rows = None, []
         if metadata.max_num_logprobs is not None:
             rows = [i for i, n in enumerate(metadata.num_logprobs) if n >= 0]
-            index = torch.tensor(rows, device=logits.device)
+            asked_logits, asked_tokens = raw_logits, sampled
+            if len(rows) < len(sampled):
+                index = torch.tensor(rows, device=logits.device)
+                asked_logits, asked_tokens = raw_logits[index], sampled[index]
             logprobs = _logprobs_of(
-                raw_logits[index],
-                sampled[index],
-                [metadata.num_logprobs[i] for i in rows],
+                asked_logits, asked_tokens, [metadata.num_logprobs[i] for i in rows]
             )
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, logprobs_rows=rows)
 
