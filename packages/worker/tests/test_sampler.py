@@ -80,3 +80,19 @@ def test_metadata_leaves_out_unused_features_and_neutralizes_greedy_rows():
     assert meta.has_seed is None and meta.max_num_logprobs is None
     greedy_only = batch_of(SamplingParams(temperature=0.0, top_k=5, seed=1)).sampling_metadata()
     assert greedy_only.all_greedy and greedy_only.top_k is None and greedy_only.has_seed is None
+
+
+def test_logprobs_when_every_row_asked_follow_the_sampled_tokens():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    batch = batch_of(
+        SamplingParams(temperature=1.0, seed=3, logprobs=1),
+        SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=2.0),
+    )
+    out = Sampler()(logits, batch.sampling_metadata())
+    assert out.logprobs_rows == [0, 1]
+    reference = torch.log_softmax(logits.double(), -1)  # raw logits, before penalties
+    for row, token in enumerate(out.sampled_token_ids.tolist()):
+        assert out.logprobs.token_ids[row][0] == token
+        assert abs(out.logprobs.logprobs[row][0] - reference[row, token].item()) < 1e-5
+        assert len(out.logprobs.token_ids[row]) == 1 + (1, 2)[row]
+        assert out.logprobs.ranks[row] == int((reference[row] > reference[row, token]).sum()) + 1
