@@ -1,0 +1,135 @@
+"""End to end: ``ember serve`` as a user runs it (no model: the demo model), hit by ``openai``.
+
+The server is a real child process bound to 127.0.0.1 on a free port; it is stopped with Ctrl-C
+(SIGINT) and must take its engine core process with it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from ember import LLM, SamplingParams
+from ember_server.cli import DEMO_MODEL_NAME, demo_model_path
+
+FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
+PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        if f"\nPPid:\t{pid}\n" in text:
+            found.append(int(status.parent.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    command = [sys.executable, "-m", "ember_server", "serve", "--port", str(port), *FLAGS]
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ember serve did not come up"
+            time.sleep(0.2)
+        yield process, base_url, log
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited; only its reaping is pending
+
+
+def test_console_script_is_declared():
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert any(s.name == "ember" and s.value == "ember_server.cli:main" for s in scripts)
+
+
+def test_demo_model_is_announced_plainly(served):
+    _, base_url, log = served
+    text = log.read_text()
+    assert "built-in demo model" in text and "RANDOM weights" in text
+    assert demo_model_path() in text
+    models = httpx.get(f"{base_url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [DEMO_MODEL_NAME]
+
+
+def test_served_greedy_text_equals_offline_api(served):
+    _, base_url, _ = served
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    served_texts = [
+        client.completions.create(model=DEMO_MODEL_NAME, prompt=p, max_tokens=12, temperature=0.0)
+        .choices[0]
+        .text
+        for p in PROMPTS
+    ]
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model=DEMO_MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.0, stream=True
+        )
+    )
+    llm = LLM(demo_model_path(), max_model_len=256, max_num_seqs=8, kv_cache_memory=8 * 1024**2)
+    try:
+        offline = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
+        )
+    finally:
+        llm.shutdown()
+    assert served_texts == [o.outputs[0].text for o in offline]
+    assert streamed == served_texts[1]
+
+
+def test_ctrl_c_stops_server_and_engine(served):
+    process, base_url, log = served
+    engines = _children(process.pid)
+    assert engines, "the engine core runs in a child process"
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 0, log.read_text()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in engines):
+        assert time.monotonic() < deadline, "the engine core outlived the server"
+        time.sleep(0.1)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base_url}/health", timeout=2)
