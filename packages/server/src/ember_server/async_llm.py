@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from ember_scheduler.engine_types import SchedulerStats
@@ -16,6 +17,8 @@ from ember_server.model_config import ModelConfig
 from ember_server.output_processor import OutputProcessor
 from ember_server.outputs import RequestOutput, RequestOutputKind
 from ember_server.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -149,6 +152,7 @@ class AsyncLLM:
 
     async def _abort(self, request_id: str, deliver_final: bool = False) -> None:
         engine_ids, finals = self.output_processor.abort_requests([request_id])
+        self.metrics.record_iteration(IterationStats(finished_reasons=["abort"] * len(engine_ids)))
         if deliver_final:
             queue = self._queues.get(request_id)
             for final in finals:
@@ -193,6 +197,7 @@ class AsyncLLM:
         if self.dead_error is not None:
             return
         self.dead_error = EngineDeadError(reason)
+        logger.error("engine is dead, failing %d requests: %s", len(self._queues), reason)
         for queue in self._queues.values():
             queue.put_nowait(self.dead_error)
         if not self._output_task.done():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -25,6 +26,8 @@ import zmq.asyncio
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
 from ember_server import core_messages as msg
 from ember_server.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -92,7 +95,11 @@ class AsyncMPClient:
             "--parent-pid", str(os.getpid()),
             "--engine-args", msgspec.json.encode(args).decode(),
         ]  # fmt: skip
+        started = loop.time()
         self.process = subprocess.Popen(command)
+        logger.info(
+            "starting the engine core process (pid %d) for %s", self.process.pid, args.model
+        )
         threading.Thread(
             target=self._wait_for_exit, args=(loop,), name="ember-engine-watch", daemon=True
         ).start()
@@ -114,6 +121,13 @@ class AsyncMPClient:
             raise EngineStartupError(f"engine core sent {kind!r} instead of READY")
         self._engine_identity = identity
         self.ready = msgspec.msgpack.decode(payload, type=msg.EngineCoreReady)
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
+            loop.time() - started,
+            self.ready.num_kv_blocks,
+            self.ready.block_size,
+            self.ready.max_model_len,
+        )
         self._on_engine_dead = on_engine_dead
         if self._exited.done():  # died right after saying READY
             on_engine_dead(self.exit_code)
