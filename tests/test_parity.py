@@ -54,22 +54,36 @@ def parity_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-@functools.cache
-def hf_model(arch: str):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path(arch), dtype=torch.float32).eval()
+# A model under test: (arch, config overrides as sorted items), hashable for caching.
+ModelKey = tuple[str, tuple[tuple[str, object], ...]]
+
+
+def model_path(model: str | ModelKey):
+    arch, overrides = (model, ()) if isinstance(model, str) else model
+    return tiny_model_path(arch, **dict(overrides))
 
 
 @functools.cache
-def hf_greedy(arch: str) -> tuple[tuple[int, ...], ...]:
-    model = hf_model(arch)
+def hf_model(model: str | ModelKey):
+    hf = AutoModelForCausalLM.from_pretrained(model_path(model), dtype=torch.float32).eval()
+    # Plain argmax for max_new_tokens steps, as the engine's ignore_eos (min_new_tokens would
+    # instead mask EOS and pick the runner-up where EOS wins).
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@functools.cache
+def hf_greedy(
+    model_key: str | ModelKey, prompt_seed: int = 0, output_len: int = OUTPUT_LEN
+) -> tuple[tuple[int, ...], ...]:
+    model = hf_model(model_key)
     outputs = []
     with torch.no_grad():
-        for prompt in parity_prompts():
+        for prompt in parity_prompts(prompt_seed):
             ids = torch.tensor([prompt])
             out = model.generate(
                 ids,
-                max_new_tokens=OUTPUT_LEN,
-                min_new_tokens=OUTPUT_LEN,
+                max_new_tokens=output_len,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -77,23 +91,27 @@ def hf_greedy(arch: str) -> tuple[tuple[int, ...], ...]:
     return tuple(outputs)
 
 
-def bytes_per_block(arch: str) -> int:
-    c = AutoConfig.from_pretrained(tiny_model_path(arch))
+def bytes_per_block(model: str | ModelKey) -> int:
+    c = AutoConfig.from_pretrained(model_path(model))
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * BLOCK_SIZE * c.num_key_value_heads * head_dim * 4
 
 
 def make_engine(
-    arch: str, *, num_blocks: int = 512, max_num_batched_tokens: int = 512, prefix_caching=False
+    model: str | ModelKey,
+    *,
+    num_blocks: int = 512,
+    max_num_batched_tokens: int = 512,
+    prefix_caching=False,
 ) -> EngineCore:
     executor = InProcessExecutor(
-        tiny_model_path(arch),
+        model_path(model),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=NUM_PROMPTS,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * bytes_per_block(arch),
+        kv_cache_memory=num_blocks * bytes_per_block(model),
         seed=0,
     )
     assert executor.num_kv_blocks == num_blocks
@@ -131,15 +149,17 @@ def run(core: EngineCore, prompts, params_of, prefix: str = "") -> tuple[dict, d
     return outputs, totals
 
 
-def greedy(_i: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+def greedy(_i: int, output_len: int = OUTPUT_LEN) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def assert_matches_hf(arch: str, outputs: dict) -> None:
-    expected = hf_greedy(arch)
+def assert_matches_hf(
+    model: str | ModelKey, outputs: dict, prompt_seed: int = 0, output_len: int = OUTPUT_LEN
+) -> None:
+    expected = hf_greedy(model, prompt_seed, output_len)
     for i, want in enumerate(expected):
         got = tuple(outputs[i]["tokens"])
-        assert got == want, f"{arch} prompt {i}: first difference at {_first_diff(got, want)}"
+        assert got == want, f"{model} prompt {i}: first difference at {_first_diff(got, want)}"
 
 
 def _first_diff(a, b) -> int:
@@ -180,3 +200,27 @@ def test_greedy_parity_with_prefix_caching(arch):
     assert totals_second["prefix_cache_hits"] > totals_first["prefix_cache_hits"]
     assert_matches_hf(arch, first)
     assert_matches_hf(arch, second)
+
+
+# Wider, deeper models and other prompts; run by the slow nox session.
+SWEEP_MODELS = [
+    (arch, (("hidden_size", 128), ("intermediate_size", 256), ("num_hidden_layers", 4)))
+    for arch in ARCHITECTURES
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", SWEEP_MODELS, ids=ARCHITECTURES)
+@pytest.mark.parametrize("prompt_seed", [1, 2])
+def test_greedy_parity_sweep(model, prompt_seed):
+    prompts = parity_prompts(prompt_seed)
+    long = functools.partial(greedy, output_len=128)
+    settings = [
+        dict(),
+        dict(num_blocks=48),
+        dict(max_num_batched_tokens=16),
+        dict(num_blocks=64, max_num_batched_tokens=40, prefix_caching=True),
+    ]
+    for setting in settings:
+        outputs, _ = run(make_engine(model, **setting), prompts, long)
+        assert_matches_hf(model, outputs, prompt_seed, output_len=128)

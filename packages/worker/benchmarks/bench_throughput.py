@@ -104,7 +104,6 @@ def run_hf(model, prompts, output_lens, batch_size: int) -> int:
                 ids,
                 attention_mask=mask,
                 max_new_tokens=steps,
-                min_new_tokens=steps,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -121,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # every batch runs its full length, as ignore_eos
     params = sum(p.numel() for p in hf.parameters()) / 1e6
     print(f"model: llama {params:.1f}M parameters, float32, 1 torch thread")
     core = make_engine(args.num_prompts, 64 + 256)

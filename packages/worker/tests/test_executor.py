@@ -50,7 +50,8 @@ def _step(new=(), cached=(), scheduled=None, finished=()):
 
 def _hf_greedy(path, prompt, n):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    hf.generation_config.eos_token_id = None  # plain argmax, EOS included, as the runner
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
