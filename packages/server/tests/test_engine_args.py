@@ -12,7 +12,7 @@ def test_cli_round_trip_sets_every_field():
             "--model", "/m", "--tokenizer", "/t", "--dtype", "float32", "--max-model-len", "512",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
             "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
-            "--served-model-name", "tiny", "--seed", "7",
+            "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
         ]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(namespace)
@@ -28,6 +28,7 @@ def test_cli_round_trip_sets_every_field():
         enable_prefix_caching=False,
         served_model_name="tiny",
         seed=7,
+        scheduling_policy="priority",
     )
     assert args.model_name == "tiny"
 

@@ -142,3 +142,9 @@ def test_abort_returns_a_final_output(tokenizer, inputs):
     (final,) = finals
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert not processor.has_unfinished_requests()
+
+
+def test_priority_needs_the_priority_policy(inputs):
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        inputs.make_requests("r", [1, 2], SamplingParams(), priority=3)
+    assert inputs.make_requests("r", [1, 2], SamplingParams(), priority=0)

@@ -164,3 +164,12 @@ def test_progress_bar_over_a_batch(llm, capsys):
     outputs = llm.generate(PROMPTS * 4, SamplingParams(max_tokens=3), use_tqdm=True)
     assert len(outputs) == 16
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_priorities_under_the_priority_policy(llama_path):
+    llm = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=64, max_num_seqs=1,
+              scheduling_policy="priority")  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=3)
+    outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False, priority=[2, 0, 1])
+    assert [o.prompt for o in outputs] == PROMPTS[:3] and all(o.finished for o in outputs)
+    llm.shutdown()

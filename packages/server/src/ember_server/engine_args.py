@@ -7,6 +7,7 @@ import dataclasses
 import re
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
 _BYTE_UNITS = {
     "": 1,
     "k": 1000,
@@ -50,6 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None
     seed: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority": lower ``priority`` values run first
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -67,6 +69,11 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
+        if self.scheduling_policy not in _POLICIES:
+            raise ValueError(
+                f"EngineArgs.scheduling_policy must be one of {_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
 
@@ -116,6 +123,12 @@ class EngineArgs:
             "--served-model-name", default=None, help="Model name in the API (default: --model)."
         )
         group.add_argument("--seed", type=int, default=0, help="Random seed of the engine.")
+        group.add_argument(
+            "--scheduling-policy",
+            default="fcfs",
+            choices=_POLICIES,
+            help="fcfs: first come, first served; priority: lower request priority runs first.",
+        )
         return parser
 
     @classmethod

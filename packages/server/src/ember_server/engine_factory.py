@@ -36,5 +36,6 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         max_num_batched_tokens=model_config.max_num_batched_tokens,
         max_model_len=model_config.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        policy=args.scheduling_policy,
     )
     return EngineCore(executor, scheduler_config)

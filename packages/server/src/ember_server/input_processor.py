@@ -102,6 +102,11 @@ class InputProcessor:
             )
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.model_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy "
+                "(EngineArgs.scheduling_policy='priority', --scheduling-policy priority)"
+            )
         max_model_len = self.model_config.max_model_len
         num_prompt = len(prompt_token_ids)
         if num_prompt >= max_model_len:

@@ -22,6 +22,7 @@ class ModelConfig:
     eos_token_id: int | None  # the one the scheduler checks
     extra_eos_token_ids: tuple[int, ...]  # further EOS ids from generation_config.json
     bos_token_id: int | None
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> ModelConfig:
@@ -60,6 +61,7 @@ class ModelConfig:
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
             bos_token_id=getattr(text_config, "bos_token_id", None),
+            scheduling_policy=args.scheduling_policy,
         )
 
 
