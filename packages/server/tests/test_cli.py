@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -120,3 +121,42 @@ def test_module_entry_point_prints_help():
     )
     assert done.returncode == 0
     assert all(word in done.stdout for word in ("serve", "generate", "bench"))
+
+
+def test_generate_prints_completions(tiny_model, capsys):
+    from ember_server.cli import main
+
+    model = str(tiny_model("llama"))
+    argv = [
+        "generate",
+        model,
+        "--prompt",
+        "def f(x):",
+        "--max-tokens",
+        "3",
+        "--max-model-len",
+        "64",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prompt: 'def f(x):'" in out and "output: " in out
+
+
+def test_bench_throughput_and_latency_write_json(tiny_model, tmp_path, capsys):
+    from ember_server.cli import main
+
+    model = str(tiny_model("llama"))
+    engine = [model, "--max-model-len", "64", "--kv-cache-memory", "1MiB"]
+    workload = ["--input-len", "4", "--output-len", "3"]
+    out_json = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", *engine, "--num-prompts", "3", *workload]
+    assert main([*argv, "--output-json", str(out_json)]) == 0
+    results = json.loads(out_json.read_text())
+    assert results["num_requests"] == 3 and results["output_throughput"] > 0
+    assert "output tokens/s" in capsys.readouterr().out
+
+    out_json = tmp_path / "latency.json"
+    argv = ["bench", "latency", *engine, "--batch-size", "2", "--num-iters", "2", *workload]
+    assert main([*argv, "--output-json", str(out_json)]) == 0
+    results = json.loads(out_json.read_text())
+    assert len(results["latencies_s"]) == 2 and results["latency"]["p99_ms"] > 0

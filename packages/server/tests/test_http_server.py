@@ -309,6 +309,22 @@ def test_api_key(server):
         bad.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
 
 
+def test_bench_serve_against_the_server(server, tmp_path, capsys):
+    from ember_server.cli import main
+
+    out_json = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY]
+    argv += ["--concurrency", "1", "3", "--num-prompts", "3", "--input-len", "4"]
+    assert main([*argv, "--output-len", "3", "--output-json", str(out_json)]) == 0
+    results = json.loads(out_json.read_text())
+    assert results["model"] == MODEL_NAME
+    assert [level["concurrency"] for level in results["levels"]] == [1, 3]
+    for level in results["levels"]:
+        assert (level["completed"], level["failed"], level["output_tokens"]) == (3, 0, 9)
+        assert level["ttft"]["p50_ms"] > 0 and "p99_ms" in level["itl"]
+    assert "TTFT p50" in capsys.readouterr().out
+
+
 # --- bad input: every case gets its status and an OpenAI error body; a good request goes on ---
 
 LONG_PROMPT = list(range(20, 220))  # 200 tokens, over the 128-token context
