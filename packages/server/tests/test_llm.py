@@ -23,8 +23,12 @@ def llm(llama_path):
     engine.shutdown()
 
 
-def _hf_greedy(path, prompt_ids, max_new_tokens):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+@pytest.fixture(scope="module")
+def hf_model(llama_path):
+    return AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+
+
+def _hf_greedy(model, prompt_ids, max_new_tokens):
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -33,7 +37,7 @@ def _hf_greedy(path, prompt_ids, max_new_tokens):
     return out[0, len(prompt_ids) :].tolist()
 
 
-def test_greedy_equals_transformers_and_keeps_input_order(llm, llama_path):
+def test_greedy_equals_transformers_and_keeps_input_order(llm, hf_model):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS
@@ -42,7 +46,7 @@ def test_greedy_equals_transformers_and_keeps_input_order(llm, llama_path):
         assert output.finished
         assert output.prompt_token_ids == tokenizer(prompt).input_ids
         (completion,) = output.outputs
-        assert completion.token_ids == _hf_greedy(llama_path, output.prompt_token_ids, 10)
+        assert completion.token_ids == _hf_greedy(hf_model, output.prompt_token_ids, 10)
         assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         assert completion.finish_reason == "length"
 
@@ -79,14 +83,13 @@ def test_n2_shares_the_prompt_through_the_prefix_cache(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
 
 
-def test_logprobs_match_transformers(llm, llama_path):
+def test_logprobs_match_transformers(llm, hf_model):
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2)
     (output,) = llm.generate("def foo(", params, use_tqdm=False)
     completion = output.outputs[0]
     ids = output.prompt_token_ids + completion.token_ids
-    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
     with torch.no_grad():
-        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+        reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1)
     num_prompt = len(output.prompt_token_ids)
     assert len(completion.logprobs) == 4
     total = 0.0
