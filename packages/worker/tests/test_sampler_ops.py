@@ -28,20 +28,25 @@ def kept(row: torch.Tensor) -> set[int]:
     return set(torch.isfinite(row).nonzero().squeeze(1).tolist())
 
 
-def kept_candidates(values: torch.Tensor, token_ids: torch.Tensor, row: int) -> set[int]:
+def kept_candidates(values: torch.Tensor, token_ids: torch.Tensor | None, row: int) -> set[int]:
+    if token_ids is None:  # masked logits in vocabulary order
+        return kept(values[row])
     assert (values[row, :-1] >= values[row, 1:]).all()  # descending
     return set(token_ids[row][torch.isfinite(values[row])].tolist())
 
 
-def test_top_k_keeps_the_k_largest_per_row():
-    logits = random_logits(4, 0)
-    top_k = torch.tensor([1, 5, 0, VOCAB + 3])
+@pytest.mark.parametrize("vocab", [40, 400])  # whole-row thresholds, and ranked candidates
+def test_top_k_keeps_the_k_largest_per_row(vocab):
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    top_k = torch.tensor([1, 5, 3, 2]) if vocab > 40 else torch.tensor([1, 5, 0, vocab + 3])
     values, ids = top_k_top_p_candidates(logits, top_k, None)
+    assert (ids is None) == (vocab == 40)
     for row, k in enumerate(top_k.tolist()):
-        expected = set(logits[row].topk(min(k, VOCAB) if k else VOCAB).indices.tolist())
+        expected = set(logits[row].topk(min(k, vocab) if k else vocab).indices.tolist())
         assert kept_candidates(values, ids, row) == expected
         finite = torch.isfinite(values[row])
-        assert torch.equal(values[row][finite], logits[row][ids[row][finite]])
+        tokens = finite.nonzero().squeeze(1) if ids is None else ids[row][finite]
+        assert torch.equal(values[row][finite], logits[row][tokens])
 
 
 def test_top_k_ranks_only_the_largest_k_when_every_row_has_one():
@@ -74,6 +79,8 @@ def reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
     order = row.double().argsort(descending=True)
     if k:
         order = order[:k]
+    if p >= 1.0:  # disabled: even tokens whose probability underflows stay
+        return set(order.tolist())
     probs = row.double()[order].softmax(-1)
     kept, mass = set(), 0.0
     for token, prob in zip(order.tolist(), probs.tolist()):
@@ -288,3 +295,17 @@ def test_frequency_and_presence_count_output_tokens_only():
     assert meta.output_token_counts[:, 10].tolist() == [0.0, 2.0]
     # 3.0 - 0.2 * 2 - 0.2 = 2.4 < 2.5
     assert Sampler()(logits, meta).sampled_token_ids.tolist() == [10, 11]
+
+
+@pytest.mark.parametrize("vocab", [40, 4096])
+def test_top_k_and_top_p_together_match_the_reference_on_both_paths(vocab):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, vocab, generator=g) * (6 if vocab > 40 else 1)
+    top_k = torch.tensor([0, 20, 3, 0, 1, 30])
+    # A row with neither (k=0, p=1) needs the whole vocabulary: only on the small one.
+    top_p = torch.tensor([0.6, 0.6, 0.95, 1.0 if vocab == 40 else 0.9, 0.5, 0.2])
+    values, ids = top_k_top_p_candidates(logits, top_k, top_p)
+    assert (ids is None) == (vocab == 40)
+    for row in range(6):
+        expected = reference_top_k_top_p(logits[row], int(top_k[row]), float(top_p[row]))
+        assert kept_candidates(values, ids, row) == expected, row

@@ -90,22 +90,20 @@ class Sampler:
         truncated = _rows_with_truncation(metadata)
         if truncated is None:
             random_ids = inverse_cdf_sample(softmax_weights(logits), uniform)
+        elif bool(truncated.all()):
+            random_ids = _draw_truncated(logits, metadata.top_k, metadata.top_p, uniform)
         else:
             # Rows without top-k/top-p draw from the whole vocabulary; only the others rank
             # candidates, so one plain row never makes the batch sort its whole vocabulary.
             random_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
             plain = ~truncated
-            if plain.any():
-                random_ids[plain] = inverse_cdf_sample(
-                    softmax_weights(logits[plain]), uniform[plain]
-                )
-            values, candidate_ids = top_k_top_p_candidates(
+            random_ids[plain] = inverse_cdf_sample(softmax_weights(logits[plain]), uniform[plain])
+            random_ids[truncated] = _draw_truncated(
                 logits[truncated],
                 None if metadata.top_k is None else metadata.top_k[truncated],
                 None if metadata.top_p is None else metadata.top_p[truncated],
+                uniform[truncated],
             )
-            choice = inverse_cdf_sample(softmax_weights(values), uniform[truncated])
-            random_ids[truncated] = candidate_ids.gather(1, choice[:, None])[:, 0]
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy, greedy_ids, random_ids)
@@ -125,6 +123,19 @@ class Sampler:
             raise ValueError(f"num_logprobs must be non-negative, got {num_logprobs}")
         n = logits.shape[0]
         return _logprobs_of(logits.to(torch.float32), target_token_ids, [num_logprobs] * n)
+
+
+def _draw_truncated(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    values, candidate_ids = top_k_top_p_candidates(logits, top_k, top_p)
+    choice = inverse_cdf_sample(softmax_weights(values), uniform)
+    if candidate_ids is None:
+        return choice
+    return candidate_ids.gather(1, choice[:, None])[:, 0]
 
 
 def _rows_with_truncation(metadata: SamplingMetadata) -> torch.Tensor | None:

@@ -49,21 +49,23 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def top_k_top_p_candidates(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's candidate tokens in descending order, ``(values, token_ids)`` of ``[n, C]``.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's candidate tokens after top-k and top-p, dropped ones set to ``-inf``.
 
     Keeps the ``top_k`` largest logits (0: all), then the smallest run of the most likely of
-    those whose probability (renormalized after top-k) reaches ``top_p``, at least one token;
-    dropped candidates are ``-inf``. Only as many candidates are ranked (``topk``) as some row
-    can keep: its ``top_k``, or for a top-p-only row the tokens above ``(1 - top_p) / vocab``
-    (those below always fall in the dropped tail, which can hold ``vocab`` of them). A full sort
-    happens only when that bound is a large part of the vocabulary.
+    those whose probability (renormalized after top-k) reaches ``top_p``, at least one token.
+    Returns ``(values, token_ids)``: when few candidates can survive, ``[n, C]`` in descending
+    order with their token ids (``topk`` of ``C`` = the largest ``top_k``, or for a top-p-only
+    row the tokens above ``(1 - top_p) / vocab``: those below always fall in the dropped tail,
+    which can hold ``vocab`` of them); otherwise the logits themselves, masked in vocabulary
+    order, with ``token_ids`` None (a threshold per row from sorted values, no index sort).
     """
     vocab = logits.shape[-1]
     full = torch.full((logits.shape[0],), vocab, dtype=torch.int64, device=logits.device)
     k = full if top_k is None else torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
     has_k = k < vocab
     needed = k
+    log_norm = None
     if top_p is not None:
         log_norm = logits.logsumexp(dim=-1)
         # A little below the bound, so rounding never leaves out a token that could be kept.
@@ -71,11 +73,9 @@ def top_k_top_p_candidates(
         above = (logits > (log_norm + floor)[:, None]).sum(dim=-1)
         needed = torch.where(has_k, k, above)
     width = int(needed.max())
-    if width <= vocab // 8:
-        values, token_ids = logits.topk(width, dim=-1)
-    else:
-        values, token_ids = logits.sort(dim=-1, descending=True, stable=True)
-        width = vocab
+    if width > vocab // 8:
+        return _mask_below_threshold(logits, k, top_p), None
+    values, token_ids = logits.topk(width, dim=-1)
     rank = torch.arange(width, device=logits.device)
     values.masked_fill_(rank[None, :] >= k[:, None], _NEG_INF)
     if top_p is not None:
@@ -83,11 +83,36 @@ def top_k_top_p_candidates(
         norm = torch.where(has_k, values.logsumexp(dim=-1), log_norm)
         probs = (values - norm[:, None]).exp()
         mass_before = probs.cumsum(dim=-1) - probs
-        limit = torch.where(top_p >= 1.0, float("inf"), top_p)
-        drop = mass_before >= limit[:, None]
+        drop = mass_before >= _top_p_limit(top_p)[:, None]
         drop[:, 0] = False
         values.masked_fill_(drop, _NEG_INF)
     return values, token_ids
+
+
+def _top_p_limit(top_p: torch.Tensor) -> torch.Tensor:
+    return torch.where(top_p >= 1.0, float("inf"), top_p)
+
+
+def _mask_below_threshold(
+    logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k/top-p over whole rows: find each row's smallest kept logit from the sorted values
+    and mask the logits below it (tokens tied with it are kept)."""
+    vocab = logits.shape[-1]
+    if logits.device.type == "cpu":  # numpy's vectorized sort of values is far faster here
+        ascending = torch.from_numpy(np.sort(logits.numpy(), axis=-1))
+    else:
+        ascending = logits.sort(dim=-1).values
+    first_kept = vocab - k  # in ascending order
+    if top_p is not None:
+        position = torch.arange(vocab, device=logits.device)
+        ascending.masked_fill_(position[None, :] < first_kept[:, None], _NEG_INF)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        mass_above = cumulative[:, -1:] - cumulative  # of the strictly more likely tokens
+        first_kept = (mass_above >= _top_p_limit(top_p)[:, None]).sum(dim=-1)
+        first_kept = first_kept.clamp(max=vocab - 1)
+    threshold = ascending.gather(1, first_kept[:, None])
+    return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
 def inverse_cdf_sample(
