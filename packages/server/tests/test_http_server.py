@@ -116,6 +116,30 @@ def test_streamed_completion_equals_whole_one(client):
     assert len(text_chunks) > 1
 
 
+def test_streamed_multi_prompt_logprobs_and_continuous_usage(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=5, n=2, seed=3, logprobs=2)
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(
+            **kwargs,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+        assert chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert sorted(texts) == [0, 1, 2, 3]  # prompt p, choice i -> index 2 * p + i
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens
+    assert chunks[-1].usage == whole.usage
+
+
 def test_streamed_chat_equals_whole_one(client):
     kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=16, temperature=0.0)
     whole = client.chat.completions.create(**kwargs)
