@@ -147,3 +147,18 @@ def test_speculative_tokens_are_refused(llama):
     step.scheduled_spec_decode_tokens = {"a": [1]}
     with pytest.raises(NotImplementedError, match="speculative"):
         executor.execute_model(step)
+
+
+def test_bfloat16_executor_runs_its_cache_in_bfloat16(llama):
+    executor = _executor(llama, dtype="bfloat16")
+    assert executor.model_runner.kv_caches[0][0].dtype == torch.bfloat16
+    # Twice the blocks of float32 from the same budget.
+    assert executor.num_kv_blocks == (1 << 20) // (2 * 2 * BLOCK * 2 * 16 * 2)
+    prompt = [5, 6, 7, 8, 9]
+    new = NewRequestData("a", prompt, [], GREEDY, block_ids=[0, 1], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[new], scheduled={"a": 5}))
+    hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+    # bfloat16 rounding may reorder near-ties: the pick is among transformers' top few.
+    assert out.sampled_token_ids[0][0] in logits.topk(3).indices.tolist()
