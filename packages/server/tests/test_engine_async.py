@@ -9,6 +9,7 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.async_llm import AsyncLLM
 from ember_server.engine_args import EngineArgs
 from ember_server.llm import LLM
+from ember_server.outputs import RequestOutputKind
 
 KV_BYTES = 8 * 1024**2
 PROMPTS = ["def foo(", "Grüße aus Köln", "import json\nclass", "x = [1, 2"]
@@ -91,6 +92,22 @@ def test_streamed_n2_tags_each_delta_with_its_sequence(loop, engine):
         per_index[completion.index].extend(completion.token_ids)
     assert [len(v) for v in per_index.values()] == [5, 5]
     assert deltas[-1].finished and sum(d.finished for d in deltas) == 1
+
+
+def test_cumulative_outputs_grow(loop, engine, offline):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def run():
+        stream = engine.generate(
+            "def foo(", params, "cumulative", output_kind=RequestOutputKind.CUMULATIVE
+        )
+        return [out async for out in stream]
+
+    outputs = loop.run_until_complete(run())
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5]
+    expected = offline.generate("def foo(", params, use_tqdm=False)[0].outputs[0]
+    assert outputs[-1].outputs[0].token_ids == expected.token_ids
+    assert outputs[-1].outputs[0].text == expected.text
 
 
 def test_stop_string_never_streams(loop, engine, offline):

@@ -100,8 +100,10 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         stream: bool = True,
+        output_kind: RequestOutputKind | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs: deltas when ``stream``, else one final cumulative output.
+        """Stream a request's outputs: deltas when ``stream``, else one final cumulative output
+        (``output_kind``, when given, chooses instead: ``CUMULATIVE`` streams everything so far).
 
         Input is checked here, at the call (``ValueError`` naming the problem), before anything
         reaches the engine core; the request is sent when iteration starts. Leaving the iteration
@@ -115,7 +117,9 @@ class AsyncLLM:
         engine_requests = self.input_processor.make_requests(
             request_id, ids, sampling_params, priority
         )
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        kind = output_kind
+        if kind is None:
+            kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return self._stream_outputs(request_id, text, sampling_params, engine_requests, kind)
 
     async def _stream_outputs(
