@@ -2,7 +2,8 @@
 
 One call serves a whole batch without a Python loop over sequences: the batch is split into
 decode sequences (one new token) and the rest (prefill or chunked prefill); each group gathers the
-KV slots of all its sequences in one ``index_select`` and runs one masked attention. Grouped-query
+KV pages of all its sequences with one ``index_select`` into a reused workspace buffer and runs one
+masked ``scaled_dot_product_attention``. Grouped-query
 attention folds the query heads that share a KV head into the query-row dimension, so keys and
 values are never repeated per query head.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember_kernels.torch_ops.workspace import WORKSPACE
 from ember_kernels.validation import check_paged_attention_args
 
 
@@ -82,8 +84,10 @@ class _Attention:
         self.block_size = key_cache.shape[1]
         self.num_kv_heads = key_cache.shape[2]
         self.group = query.shape[1] // self.num_kv_heads
-        self.flat_keys = key_cache.flatten(0, 1)
-        self.flat_values = value_cache.flatten(0, 1)
+        self.head_size = query.shape[2]
+        self.key_cache = key_cache
+        self.value_cache = value_cache
+        self.page_numel = key_cache[0].numel()
         self.scale = scale
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
@@ -136,19 +140,47 @@ class _Attention:
     def _gather(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values ``[seqs, kv_heads, kv_len, head]`` plus their positions ``[seqs, kv_len]``.
+        """Keys and values ``[seqs, kv_heads, padded_len, head]`` and their positions.
 
-        Positions past a sequence's length read its last written slot, so that every gathered
-        value is real data (masked out later) and stale or unset cache slots are never touched.
+        Whole pages are gathered into reused workspace buffers. Page slots past a sequence's
+        pages read its first page again (real data, masked out later), so unused block table
+        entries are never read; slots that may never have been written (past the sequence's
+        length in its last page) are zeroed, so that stale or NaN cache contents cannot leak
+        through a zero attention weight.
         """
-        positions = torch.arange(kv_len).expand(seq_lens.shape[0], -1)
-        clamped = torch.minimum(positions, (seq_lens - 1).clamp(min=0)[:, None])
-        blocks = block_table.long().gather(1, clamped // self.block_size)
-        slots = (blocks * self.block_size + clamped % self.block_size).view(-1)
-        shape = (seq_lens.shape[0], kv_len, self.num_kv_heads, -1)
-        keys = self.flat_keys.index_select(0, slots).view(shape).transpose(1, 2)
-        values = self.flat_values.index_select(0, slots).view(shape).transpose(1, 2)
-        return keys.to(self.compute_dtype), values.to(self.compute_dtype), positions
+        num_seqs, block_size = seq_lens.shape[0], self.block_size
+        num_pages = -(-kv_len // block_size)
+        padded_len = num_pages * block_size
+        seq_pages = (seq_lens + block_size - 1) // block_size
+        page = torch.arange(num_pages).expand(num_seqs, -1)
+        page = torch.where(page < seq_pages[:, None], page, 0)
+        blocks = block_table[:, :num_pages].long().gather(1, page).view(-1)
+        pages_shape = (num_seqs, num_pages, block_size, self.num_kv_heads, self.head_size)
+        attend_shape = (num_seqs, self.num_kv_heads, padded_len, self.head_size)
+        positions = torch.arange(padded_len).expand(num_seqs, -1)
+        # A short sequence (one partial page) repeats that partial page; longer ones repeat
+        # their full first page, so only their last page's tail can hold unwritten slots.
+        unwritten = (positions >= seq_lens[:, None]) & (
+            (positions < (seq_pages * block_size)[:, None]) | (seq_lens < block_size)[:, None]
+        )
+        any_unwritten = bool(unwritten.any())
+        gathered = []
+        for name, cache in (("keys", self.key_cache), ("values", self.value_cache)):
+            pages = WORKSPACE.get(
+                f"{name}_pages", blocks.numel() * self.page_numel, cache.dtype, cache.device
+            )
+            torch.index_select(cache, 0, blocks, out=pages.view(-1, *cache.shape[1:]))
+            # SDPA is several times faster on [seqs, kv_heads, len, head] contiguous memory than
+            # on a transposed view: one more copy (converting half precision on the way) pays.
+            out = WORKSPACE.get(name, pages.numel(), self.compute_dtype, cache.device)
+            out = out.view(attend_shape)
+            out.view(num_seqs, self.num_kv_heads, num_pages, block_size, -1).copy_(
+                pages.view(pages_shape).permute(0, 3, 1, 2, 4)
+            )
+            if any_unwritten:
+                out.transpose(1, 2)[unwritten] = 0
+            gathered.append(out)
+        return gathered[0], gathered[1], positions
 
     def _visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """Causal (and sliding-window) visibility of key positions from query positions."""
@@ -161,7 +193,9 @@ class _Attention:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         if self.soft_cap is None:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+            # An additive float mask takes a faster SDPA path on the CPU than a boolean one.
+            bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scale)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
         scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
         scores = scores.masked_fill(~mask, float("-inf"))
