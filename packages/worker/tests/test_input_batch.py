@@ -357,6 +357,12 @@ def test_spec_tokens_count_in_the_prefix_and_are_dropped_after_the_step():
     assert batch.num_tokens[:2].tolist() == [6, 4]
 
 
+def test_a_top_k_beyond_the_vocabulary_is_stored_as_the_vocabulary():
+    batch = make_batch()
+    batch.add_request(new_req("a", [1], top_k=10**12))
+    assert batch.rows[0]["top_k"] == VOCAB
+
+
 def test_rejected_drafts_leave_the_row_as_it_was():
     batch = make_batch()
     batch.add_request(new_req("x", [1, 2, 3], blocks=[0]))  # one block: room for 4 tokens
@@ -379,6 +385,7 @@ def test_bad_input_is_rejected_without_changing_state():
         (new_req("b", []), "empty"),
         (new_req("b", [1], blocks=[0] * 3), "block_ids"),
         (new_req("b", [1], computed=2), "num_computed_tokens"),
+        (new_req("b", [1], seed=2**64), "seed"),
     ]
     for req, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -190,6 +190,9 @@ class InputBatch:
                 f"NewRequestData.block_ids of {req_id!r} has {len(new_req.block_ids)} blocks, "
                 f"more than {self.max_blocks_per_req} per request"
             )
+        params = new_req.sampling_params
+        if params.seed is not None and not -(2**63) <= params.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed of {req_id!r} must fit in 64 bits")
         if not 0 <= new_req.num_computed_tokens <= num_tokens:
             raise ValueError(
                 f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
@@ -205,7 +208,6 @@ class InputBatch:
         self.token_ids_cpu[row, num_prompt:num_tokens] = output
         num_blocks = len(new_req.block_ids)
         self.block_table_cpu[row, :num_blocks] = new_req.block_ids
-        params = new_req.sampling_params
         self.rows[row] = (
             num_tokens,
             num_tokens,
@@ -215,7 +217,7 @@ class InputBatch:
             0,
             params.temperature,
             params.top_p,
-            params.top_k,
+            min(params.top_k, self.vocab_size),  # larger is the same, and may not fit int32
             params.min_p,
             params.presence_penalty,
             params.frequency_penalty,
