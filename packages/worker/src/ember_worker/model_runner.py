@@ -117,6 +117,8 @@ class ModelRunner:
         state = batch.rows[:n]
         rows = np.flatnonzero((state["num_prompt_logprobs"] >= 0) & (num_scheduled > 0))
         result: dict[str, Logprobs] = {}
+        if rows.size == 0:
+            return result
         starts = inputs.query_start_loc.cpu().numpy()
         for row in rows.tolist():
             first = int(state["num_computed_tokens"][row])
