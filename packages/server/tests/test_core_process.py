@@ -56,6 +56,6 @@ def test_engine_that_cannot_start_reports_why(model_path):
         asyncio.run(AsyncLLM.start(args))
 
 
-def test_bad_model_folder_fails_before_spawning(tmp_path):
+def test_bad_model_folder_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="model"):
         asyncio.run(AsyncLLM.start(EngineArgs(model=str(tmp_path))))

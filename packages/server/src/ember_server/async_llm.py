@@ -55,9 +55,8 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, args: EngineArgs, *, startup_timeout: float = 600.0) -> AsyncLLM:
-        """Load the tokenizer, spawn the engine core process and wait for its handshake."""
-        model_config = ModelConfig.from_engine_args(args)
-        tokenizer = load_tokenizer(model_config.tokenizer)
+        """Spawn the engine core process and, while it loads the model, the tokenizer here;
+        return once the engine's handshake arrives."""
         dead_codes: list[int] = []
         engine: AsyncLLM | None = None
 
@@ -67,7 +66,17 @@ class AsyncLLM:
             else:
                 engine._on_engine_dead(f"engine core process exited with code {code}")
 
-        client = await AsyncMPClient.start(args, on_engine_dead, startup_timeout=startup_timeout)
+        starting = asyncio.ensure_future(
+            AsyncMPClient.start(args, on_engine_dead, startup_timeout=startup_timeout)
+        )
+        try:
+            model_config, tokenizer = await asyncio.to_thread(_load_front_end, args)
+        except BaseException:
+            starting.cancel()  # stops the engine process
+            with contextlib.suppress(BaseException):
+                await starting
+            raise
+        client = await starting
         engine = cls(args, model_config, tokenizer, client, EngineMetrics(args.model_name))
         if dead_codes:
             engine._on_engine_dead(f"engine core process exited with code {dead_codes[0]}")
@@ -221,3 +230,8 @@ class AsyncLLM:
             self.dead_error = EngineDeadError("engine was shut down")
             for queue in self._queues.values():
                 queue.put_nowait(self.dead_error)
+
+
+def _load_front_end(args: EngineArgs) -> tuple[ModelConfig, object]:
+    model_config = ModelConfig.from_engine_args(args)
+    return model_config, load_tokenizer(model_config.tokenizer)
