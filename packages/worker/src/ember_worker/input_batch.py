@@ -122,6 +122,11 @@ class InputBatch:
         self.num_blocks = self.rows["num_blocks"]
         self._num_scheduled = self.rows["num_scheduled_tokens"]
 
+        # Scratch rows for swap_rows, so a swap allocates nothing.
+        self._swap_tokens = np.empty(max_model_len, dtype=np.int32)
+        self._swap_blocks = np.empty(self.max_blocks_per_req, dtype=np.int32)
+        self._swap_row = np.empty(ROW_STATE_DTYPE.itemsize, dtype=np.uint8)
+
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self._num_rows = 0  # rows in use, holes included
@@ -282,14 +287,17 @@ class InputBatch:
             return
         tokens, blocks, raw = self.token_ids_cpu, self.block_table_cpu, self._row_bytes
         ni, nj = self.num_tokens[i], self.num_tokens[j]
-        tmp = tokens[i, :ni].copy()
+        tmp = self._swap_tokens[:ni]
+        tmp[...] = tokens[i, :ni]
         tokens[i, :nj] = tokens[j, :nj]
         tokens[j, :ni] = tmp
         bi, bj = self.num_blocks[i], self.num_blocks[j]
-        tmp = blocks[i, :bi].copy()
+        tmp = self._swap_blocks[:bi]
+        tmp[...] = blocks[i, :bi]
         blocks[i, :bj] = blocks[j, :bj]
         blocks[j, :bi] = tmp
-        tmp = raw[i].copy()
+        tmp = self._swap_row
+        tmp[...] = raw[i]
         raw[i] = raw[j]
         raw[j] = tmp
         ids = self._req_ids
