@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.async_llm import AsyncLLM
 from ember_server.core_client import EngineDeadError, EngineStartupError
@@ -59,3 +60,30 @@ def test_engine_that_cannot_start_reports_why(model_path):
 def test_bad_model_folder_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="model"):
         asyncio.run(AsyncLLM.start(EngineArgs(model=str(tmp_path))))
+
+
+def test_a_failing_step_reports_its_error_and_fails_requests(model_path):
+    async def run():
+        engine = await AsyncLLM.start(EngineArgs(model=model_path, kv_cache_memory=4 * 1024**2))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            stream = engine.generate("def foo(", params, "victim")
+            await anext(stream)
+            # Past the front end's checks, straight to the engine: a token id the model lacks.
+            bad = EngineCoreRequest("bad", [1, 10**7], SamplingParams(max_tokens=1))
+            await engine.client.add_requests([bad])
+            with pytest.raises(EngineDeadError, match="engine core failed"):
+                async for _ in stream:
+                    pass
+            assert engine.errored
+            await asyncio.wait_for(_until(lambda: not engine.client.is_alive()), timeout=10)
+            assert engine.client.exit_code == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+async def _until(predicate):
+    while not predicate():
+        await asyncio.sleep(0.02)
