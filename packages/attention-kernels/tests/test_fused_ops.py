@@ -98,6 +98,10 @@ def test_reshape_and_cache_rejects_mismatched_shapes():
         ek.reshape_and_cache(key, key, cache[..., :32], cache[..., :32], torch.zeros(3).long())
     with pytest.raises(ValueError, match="key_cache"):
         ek.reshape_and_cache(key, key, cache.half(), cache.half(), torch.zeros(3).long())
+    before = cache.clone()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ek.reshape_and_cache(key, key, cache, cache, torch.tensor([0, 4 * 16, -1]))
+    assert torch.equal(cache, before)
 
 
 def test_norm_and_activation_reject_bad_shapes():

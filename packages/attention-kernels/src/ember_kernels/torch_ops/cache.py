@@ -17,6 +17,9 @@ def reshape_and_cache(
     A slot is ``block_id * block_size + offset``; a negative slot skips its token (padding).
     """
     block_size = key_cache.shape[1]
+    num_slots = key_cache.shape[0] * block_size
+    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} >= {num_slots} cache slots")
     valid = slot_mapping >= 0
     if bool(valid.all()):
         slots, new_keys, new_values = slot_mapping, key, value

@@ -41,6 +41,7 @@ def _launch(x, residual, weight, eps, out, residual_out):
     hidden = x.shape[-1]
     rows = x.numel() // hidden if hidden else 0
     if rows:
+        block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
             out,
             residual_out,
@@ -49,8 +50,9 @@ def _launch(x, residual, weight, eps, out, residual_out):
             weight,
             eps,
             HIDDEN=hidden,
-            BLOCK=triton.next_power_of_2(hidden),
+            BLOCK=block,
             ADD_RESIDUAL=residual is not None,
+            num_warps=8 if block >= 2048 else 4,
         )
 
 

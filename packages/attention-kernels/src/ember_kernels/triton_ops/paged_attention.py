@@ -17,6 +17,8 @@ precision so that they match the float32 CPU path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -271,7 +273,9 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = triton.next_power_of_2(head_size)
-    rows_wanted = MIN_DOT_ROWS if max_query_len == 1 else 64
+    # Query rows per program: the tl.dot minimum for decode; more for prefill, fewer for
+    # 256-wide heads (the float32 query and accumulator tiles live in registers).
+    rows_wanted = MIN_DOT_ROWS if max_query_len == 1 else (64 if head_pad <= 128 else 32)
     block_q = max(1, rows_wanted // group_pad)
     block_q = min(block_q, max(triton.next_power_of_2(max_query_len), MIN_DOT_ROWS // group_pad, 1))
     tile_n = 64 if head_pad <= 128 else 32
@@ -371,7 +375,7 @@ def _choose_kv_splits(
     and at least two KV tiles per split."""
     if max_query_len != 1 or not query.is_cuda:
         return 1
-    sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
+    sm_count = _multiprocessor_count(query.device)
     if num_programs >= sm_count:
         return 1
     if max_seq_len is None:
@@ -384,3 +388,8 @@ def _choose_kv_splits(
     ):
         splits *= 2
     return splits
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
