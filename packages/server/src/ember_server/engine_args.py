@@ -36,8 +36,9 @@ class EngineArgs:
     """Everything needed to build an engine; the fields are the CLI's flags (``--max-model-len``...).
 
     ``None`` means "derive it": ``max_model_len`` from the model's config,
-    ``max_num_batched_tokens`` from ``max_model_len``, ``kv_cache_memory`` from the worker's
-    default budget, ``tokenizer`` from ``model``, ``served_model_name`` from ``model``.
+    ``max_num_batched_tokens`` as ``max(max_model_len, 2048)``, ``kv_cache_memory`` as 256 MiB
+    on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
+    ``tokenizer`` and ``served_model_name`` from ``model``.
     """
 
     model: str
@@ -111,7 +112,8 @@ class EngineArgs:
             "--kv-cache-memory",
             type=parse_bytes,
             default=None,
-            help="Bytes for the KV cache, e.g. 536870912 or 512MiB; default: the worker's.",
+            help="Bytes for the KV cache, e.g. 536870912 or 512MiB; default: 256MiB on the CPU, "
+            "90%% of the free memory on a GPU.",
         )
         group.add_argument(
             "--enable-prefix-caching",
