@@ -238,3 +238,37 @@ def test_bad_arguments_raise_value_error_naming_the_field():
         ek.paged_attention(q, kc, vc, bt, qsl, sl, scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match="out"):
         ek.paged_attention(q, kc, vc, bt, qsl, sl, scale=1.0, out=q.half())
+
+
+def test_cpu_plan_is_rebuilt_when_metadata_changes_in_place():
+    """Layers of a step reuse one batch plan; rewriting the metadata (here through a numpy
+    view, which torch cannot see) must give a fresh plan, never a stale one."""
+    gen, seed = fresh_generator()
+    batch = make_paged_batch(
+        [(1, 40), (3, 21), (1, 17)],
+        num_kv_heads=2,
+        group=2,
+        head_size=64,
+        block_size=16,
+        dtype=torch.float32,
+        gen=gen,
+        spare_blocks=4,
+    )
+    first = ek.paged_attention(*batch.args, scale=0.125)
+    again = ek.paged_attention(*batch.args, scale=0.125)
+    assert torch.equal(first, again)
+    # Move sequence 0's second page to a spare block, and shorten sequence 2 by one token.
+    spare = sorted(set(range(batch.key_cache.shape[0])) - set(batch.block_table.view(-1).tolist()))
+    old_block = int(batch.block_table[0, 1])
+    batch.key_cache[spare[0]] = batch.key_cache[old_block]
+    batch.value_cache[spare[0]] = batch.value_cache[old_block]
+    batch.key_cache[old_block] = float("nan")
+    batch.value_cache[old_block] = float("nan")
+    batch.block_table.numpy()[0, 1] = spare[0]
+    batch.seq_lens.numpy()[2] -= 1
+    moved = ek.paged_attention(*batch.args, scale=0.125)
+    expected = paged_attention_reference(*batch.as_float64(), scale=0.125)
+    assert not moved.isnan().any(), f"seed {seed}: a stale plan read the old block"
+    torch.testing.assert_close(
+        moved.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}"
+    )
