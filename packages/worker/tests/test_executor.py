@@ -162,3 +162,18 @@ def test_bfloat16_executor_runs_its_cache_in_bfloat16(llama):
         logits = hf(torch.tensor([prompt])).logits[0, -1].float()
     # bfloat16 rounding may reorder near-ties: the pick is among transformers' top few.
     assert out.sampled_token_ids[0][0] in logits.topk(3).indices.tolist()
+
+
+def test_a_running_request_left_out_of_a_step_keeps_its_state(llama):
+    """The token budget may skip a running request for a step; it samples nothing then."""
+    executor = _executor(llama)
+    a = NewRequestData("a", [5, 6, 7], [], GREEDY, block_ids=[0], num_computed_tokens=0)
+    b = NewRequestData("b", [8, 9, 10, 11], [], GREEDY, block_ids=[1, 2], num_computed_tokens=0)
+    out = executor.execute_model(_step(new=[a, b], scheduled={"a": 3, "b": 4}))
+    b_tokens = list(out.sampled_token_ids[out.req_id_to_index["b"]])
+    out = executor.execute_model(_step(cached=[("a", [], 3)], scheduled={"a": 1}))
+    assert out.sampled_token_ids[out.req_id_to_index["b"]] == []
+    assert len(out.sampled_token_ids[out.req_id_to_index["a"]]) == 1
+    out = executor.execute_model(_step(cached=[("b", [], 4)], scheduled={"b": 1}))
+    b_tokens += out.sampled_token_ids[out.req_id_to_index["b"]]
+    assert b_tokens == _hf_greedy(llama, [8, 9, 10, 11], 2)
