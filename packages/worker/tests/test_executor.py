@@ -177,3 +177,10 @@ def test_a_running_request_left_out_of_a_step_keeps_its_state(llama):
     out = executor.execute_model(_step(cached=[("b", [], 4)], scheduled={"b": 1}))
     b_tokens += out.sampled_token_ids[out.req_id_to_index["b"]]
     assert b_tokens == _hf_greedy(llama, [8, 9, 10, 11], 2)
+
+
+def test_execute_after_shutdown_is_refused(llama):
+    executor = _executor(llama)
+    executor.shutdown()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        executor.execute_model(_step())

@@ -99,6 +99,8 @@ class InProcessExecutor:
         return eos[0] if isinstance(eos, list) else eos
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.model_runner is None:
+            raise RuntimeError("InProcessExecutor.execute_model called after shutdown()")
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
