@@ -166,9 +166,7 @@ class OutputProcessor:
                 if state is None:
                     continue
                 engine_ids.append(child_id)
-                output = self._completion_output(
-                    state, [], None, FinishReason.ABORT, None, finished=True
-                )
+                output = self._completion_output(state, [], None, FinishReason.ABORT, None)
                 final = parent.make_output(output) or final
             if final is not None:
                 finals.append(final)
@@ -219,7 +217,7 @@ class OutputProcessor:
             elif parent.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue  # nothing to assemble until the end
             completion = self._completion_output(
-                state, new_ids, new_logprobs, finish_reason, stop_reason, finished
+                state, new_ids, new_logprobs, finish_reason, stop_reason
             )
             request_output = parent.make_output(completion)
             if parent.finished:
@@ -236,8 +234,8 @@ class OutputProcessor:
         new_logprobs: SampleLogprobs | None,
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
-        finished: bool,
     ) -> CompletionOutput:
+        finished = finish_reason is not None
         delta = state.parent.output_kind == RequestOutputKind.DELTA
         detokenizer = state.detokenizer
         if delta:
