@@ -176,3 +176,15 @@ def test_priorities_under_the_priority_policy(llama_path):
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False, priority=[2, 0, 1])
     assert [o.prompt for o in outputs] == PROMPTS[:3] and all(o.finished for o in outputs)
     llm.shutdown()
+
+
+def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
+    # 64 KiB holds 8 blocks of 16 tokens of this model's KV (2 layers x 2 KV heads x 16 x fp32).
+    llm = LLM(str(llama_path), kv_cache_memory=64 * 1024, max_model_len=512)
+    capacity = llm.engine_core.scheduler.max_num_tokens
+    assert capacity < 512
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate([[5] * capacity], SamplingParams(max_tokens=1), use_tqdm=False)
+    (output,) = llm.generate([[5] * (capacity - 1)], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 1
+    llm.shutdown()

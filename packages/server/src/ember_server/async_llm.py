@@ -44,7 +44,7 @@ class AsyncLLM:
         self.metrics = metrics
         ready = client.ready
         self.input_processor = InputProcessor(
-            tokenizer, model_config, max_num_kv_tokens=ready.num_kv_blocks * ready.block_size
+            tokenizer, model_config, max_num_kv_tokens=ready.max_num_kv_tokens
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.scheduler_stats = SchedulerStats()  # the latest the engine core reported

@@ -24,3 +24,4 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    max_num_kv_tokens: int  # the longest prompt the scheduler can ever hold in the KV cache

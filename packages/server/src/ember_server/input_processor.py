@@ -32,7 +32,7 @@ class InputProcessor:
     ) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
-        self.max_num_kv_tokens = max_num_kv_tokens  # tokens the whole KV cache holds
+        self.max_num_kv_tokens = max_num_kv_tokens  # the longest sequence the KV cache holds
 
     def tokenize(
         self, prompt: PromptType, add_special_tokens: bool = True
@@ -114,10 +114,10 @@ class InputProcessor:
                 f"prompt is {num_prompt} tokens, which leaves no room for output in this model's "
                 f"maximum context length of {max_model_len} tokens"
             )
-        if self.max_num_kv_tokens is not None and num_prompt > self.max_num_kv_tokens:
+        if self.max_num_kv_tokens is not None and num_prompt >= self.max_num_kv_tokens:
             raise ValueError(
-                f"prompt is {num_prompt} tokens, more than the whole KV cache holds "
-                f"({self.max_num_kv_tokens} tokens); raise kv_cache_memory"
+                f"prompt is {num_prompt} tokens, which leaves no room for output in the KV cache "
+                f"({self.max_num_kv_tokens} tokens in all); raise kv_cache_memory"
             )
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):

@@ -30,11 +30,10 @@ class LLM:
         self.model_config = ModelConfig.from_engine_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
         self.engine_core = make_engine_core(self.engine_args, self.model_config)
-        executor = self.engine_core.executor
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.model_config,
-            max_num_kv_tokens=executor.num_kv_blocks * executor.block_size,
+            max_num_kv_tokens=self.engine_core.scheduler.max_num_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_model_name)
