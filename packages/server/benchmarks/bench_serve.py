@@ -77,8 +77,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 async def _sweep(base_url: str, input_len: int, output_len: int) -> list[dict]:
     model = await bench_serve.server_model(base_url, None)
-    warmup = random_prompts(2, input_len, seed=99)
-    await bench_serve.run_level(base_url, model, warmup, output_len, 2)
+    # Warm up the batch shapes the levels will use (the first passes of a shape are slow).
+    for concurrency in (16, 1):
+        warmup = random_prompts(concurrency, input_len, seed=99)
+        await bench_serve.run_level(base_url, model, warmup, output_len, concurrency)
     levels = []
     for concurrency, count in REQUESTS_PER_LEVEL.items():
         prompts = random_prompts(count, input_len, seed=concurrency)

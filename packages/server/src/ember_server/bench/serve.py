@@ -149,11 +149,13 @@ async def sweep(
     api_key: str | None = None,
     seed: int = 0,
 ) -> dict:
-    """One warm-up request, then ``run_level`` at each concurrency (at least one prompt each)."""
+    """A warm-up round, then ``run_level`` at each concurrency (at least one prompt each)."""
     base_url = base_url.rstrip("/")
     model = model or await server_model(base_url, api_key)
-    warmup = random_prompts(1, input_len, seed=seed + 1)
-    await run_level(base_url, model, warmup, output_len, 1, api_key)
+    # The first passes of each batch shape are slow: warm up at the sweep's middle concurrency.
+    warm = sorted(concurrencies)[len(concurrencies) // 2]
+    warmup = random_prompts(warm, input_len, seed=seed + 1)
+    await run_level(base_url, model, warmup, output_len, warm, api_key)
     levels = []
     for concurrency in concurrencies:
         prompts = random_prompts(max(num_prompts, concurrency), input_len, seed=seed)

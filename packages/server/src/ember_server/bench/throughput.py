@@ -28,7 +28,8 @@ def measure(engine_args: EngineArgs, num_prompts: int, input_len: int, output_le
         vocab_size = llm.model_config.vocab_size
         prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:2], params.clone(max_tokens=2), use_tqdm=False)
+        # Warm up: the first passes of each batch shape are slow.
+        llm.generate(prompts[:16], params.clone(max_tokens=4), use_tqdm=False)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
