@@ -87,3 +87,43 @@ def test_a_failing_step_reports_its_error_and_fails_requests(model_path):
 async def _until(predicate):
     while not predicate():
         await asyncio.sleep(0.02)
+
+
+PARENT_SCRIPT = """
+import asyncio, sys
+from ember_server.async_llm import AsyncLLM
+from ember_server.engine_args import EngineArgs
+
+async def main():
+    engine = await AsyncLLM.start(EngineArgs(model=sys.argv[1], kv_cache_memory=1 << 20))
+    print(engine.engine_core_pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_engine_process_exits_when_its_front_end_is_killed(model_path):
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_SCRIPT, model_path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        engine_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(engine_pid, signal.SIGKILL)
+        pytest.fail("the engine core process outlived its front end")
+    finally:
+        parent.kill()
