@@ -104,11 +104,16 @@ class AsyncMPClient:
             target=self._wait_for_exit, args=(loop,), name="ember-engine-watch", daemon=True
         ).start()
         handshake = asyncio.ensure_future(self._input_socket.recv_multipart())
-        done, _ = await asyncio.wait(
-            {handshake, self._exited}, timeout=startup_timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        try:
+            done, _ = await asyncio.wait(
+                {handshake, self._exited},
+                timeout=startup_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            if not handshake.done():
+                handshake.cancel()
         if handshake not in done:
-            handshake.cancel()
             if self._exited in done:
                 raise EngineStartupError(
                     f"engine core process exited with code {self.exit_code} during start-up"
