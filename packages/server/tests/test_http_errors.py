@@ -64,6 +64,11 @@ def test_union_member_names_are_not_in_the_param(client):
     assert err["param"] == "prompt"
 
 
+def test_validator_errors_name_their_field(client):
+    err = _error(client.post("/v1/completions", json={"prompt": "x", "best_of": 3}), 400)
+    assert (err["param"], err["message"]) == ("best_of", "best_of other than n is not supported")
+
+
 def test_raised_openai_error_keeps_status_and_param(client):
     err = _error(client.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404)
     assert (err["type"], err["param"]) == ("not_found_error", "model")

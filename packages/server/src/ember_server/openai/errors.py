@@ -30,6 +30,9 @@ ERROR_TYPES = {
 }
 # SamplingParams and the engine name the offending field as "SamplingParams.<field> ...".
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+# Union members appear in validation locations as type or model names ("str", "list[int]",
+# "function-after[...]", "TokenizeChatRequest"): they are not fields.
+_UNION_MEMBER = re.compile(r"[a-z_-]+\[.*\]|str|int|float|bool|[A-Z][A-Za-z]*")
 
 
 class OpenAIError(Exception):
@@ -68,12 +71,19 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             detail = (err.get("ctx") or {}).get("error", "")
             return f"Malformed JSON body: {detail}".rstrip(": "), None
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        # Union members appear in the location as type names ("str", "list[int]"): drop them.
-        fields = [p for p in loc if not re.fullmatch(r"[a-z_]+\[.*\]|str|int|float|bool", p)]
+        fields = [p for p in loc if not _UNION_MEMBER.fullmatch(p)]
         field = ".".join(fields)
+        message = err.get("msg", "invalid value")
+        if err.get("type") == "value_error":
+            # A model validator's message starts with the field it is about.
+            message = message.removeprefix("Value error, ")
+            if not field:
+                field_word = re.match(r"[a-z_]+", message)
+                param = param or (field_word.group(0) if field_word else None)
+                parts.append(message)
+                continue
         if param is None and field:
             param = field
-        message = err.get("msg", "invalid value")
         if err.get("type") == "missing" and not field:
             message = "a JSON object body is required"
         parts.append(f"{field}: {message}" if field else message)
