@@ -23,7 +23,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.served_model_name
         self.max_model_len: int = engine.model_config.max_model_len
-        self.vocab_size: int = max(engine.model_config.vocab_size, len(self.tokenizer))
+        self.vocab_size: int = engine.model_config.vocab_size
 
     def check_request(self, request: OpenAIRequest) -> None:
         """404 for another model's name, 503 when the engine is down; log ignored fields."""
