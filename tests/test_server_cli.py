@@ -1,4 +1,4 @@
-"""End to end: ``ember serve`` as a user runs it (no model: the demo model), hit by ``openai``.
+"""End to end: ``ember serve`` as a user runs it (no model: the demo model), over HTTP.
 
 The server is a real child process bound to 127.0.0.1 on a free port; it is stopped with Ctrl-C
 (SIGINT) and must take its engine core process with it.
@@ -7,6 +7,7 @@ The server is a real child process bound to 127.0.0.1 on a free port; it is stop
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import pathlib
 import signal
 import socket
@@ -15,7 +16,6 @@ import sys
 import time
 
 import httpx
-import openai
 import pytest
 
 from ember import LLM, SamplingParams
@@ -97,24 +97,20 @@ def test_demo_model_is_announced_plainly(served):
 
 def test_served_greedy_text_equals_offline_api(served):
     _, base_url, _ = served
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    url = f"{base_url}/v1/completions"
+    body = dict(model=DEMO_MODEL_NAME, max_tokens=12, temperature=0.0)
     served_texts = [
-        client.completions.create(model=DEMO_MODEL_NAME, prompt=p, max_tokens=12, temperature=0.0)
-        .choices[0]
-        .text
+        httpx.post(url, json={**body, "prompt": p}, timeout=60).json()["choices"][0]["text"]
         for p in PROMPTS
     ]
-    streamed = "".join(
-        chunk.choices[0].text
-        for chunk in client.completions.create(
-            model=DEMO_MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.0, stream=True
-        )
-    )
+    with httpx.stream("POST", url, json={**body, "prompt": PROMPTS[1], "stream": True}) as r:
+        events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     llm = LLM(demo_model_path(), max_model_len=256, max_num_seqs=8, kv_cache_memory=8 * 1024**2)
     try:
-        offline = llm.generate(
-            PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
-        )
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        offline = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         llm.shutdown()
     assert served_texts == [o.outputs[0].text for o in offline]
