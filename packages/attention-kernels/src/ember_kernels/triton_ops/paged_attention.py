@@ -339,6 +339,8 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=soft_cap is not None,
         IEEE_DOT=query.dtype == torch.float32,
+        # Four float32 tiles of BLOCK_M (or TILE_N) x HEAD_PAD live in registers.
+        num_warps=8 if block_q * group_pad * head_pad >= 8192 else 4,
     )
     if num_kv_splits > 1:
         # Up to 4096 partial values per program: several heads at once, but bounded registers.
