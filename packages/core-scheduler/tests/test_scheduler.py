@@ -290,13 +290,25 @@ def test_stop_conditions():
         "max_tokens": SamplingParams(max_tokens=eos_index, ignore_eos=True),
         "stop_token": SamplingParams(max_tokens=20, stop_token_ids=[stop_id]),
     }
-    engine, _ = _engine(max_model_len=24)
+    engine, executor = _engine(max_model_len=24)
     for rid, params in cases.items():
         engine.add_request(make_request(rid, prompt, params))
     engine.add_request(
         make_request("model_len", [1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True))
     )
     results, _ = run_to_completion(engine)
+    # The worker learns each request's EOS (for the sampler's min_tokens mask); none if ignored.
+    sent_eos = {
+        n.req_id: n.eos_token_id for so in executor.scheduler_outputs for n in so.scheduled_new_reqs
+    }
+    assert sent_eos == {
+        "eos": EOS_TOKEN_ID,
+        "ignore_eos": None,
+        "min_tokens": EOS_TOKEN_ID,
+        "max_tokens": None,
+        "stop_token": EOS_TOKEN_ID,
+        "model_len": None,
+    }
     eos = results["eos"]
     assert (eos.token_ids[-1], eos.finish_reason, eos.stop_reason) == (EOS_TOKEN_ID, "stop", None)
     assert len(eos.token_ids) == eos_index + 1

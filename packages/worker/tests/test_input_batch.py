@@ -20,7 +20,7 @@ POISON_TOKEN = 2**31 - 1
 POISON_BLOCK = -(2**30)
 
 
-def new_req(req_id, prompt, output=(), blocks=None, computed=0, **params):
+def new_req(req_id, prompt, output=(), blocks=None, computed=0, eos=None, **params):
     num_tokens = len(prompt) + len(output)
     if blocks is None:
         blocks = list(range(100, 100 + -(-num_tokens // BLOCK)))
@@ -31,6 +31,7 @@ def new_req(req_id, prompt, output=(), blocks=None, computed=0, **params):
         sampling_params=SamplingParams(**params),
         block_ids=list(blocks),
         num_computed_tokens=computed,
+        eos_token_id=eos,
     )
 
 
@@ -64,6 +65,35 @@ def check_against(batch: InputBatch, model: dict) -> None:
     assert set(batch.req_id_to_index) == set(model)
     for req_id, expected in model.items():
         assert row_view(batch, req_id) == expected
+
+
+def random_min_tokens_params(rng: random.Random) -> tuple[dict, set[int]]:
+    """Sampling params (min_tokens, stop ids, ignore_eos) plus an eos, and the ids they mask."""
+    eos = rng.choice([None, rng.randrange(VOCAB)])
+    params = dict(
+        eos=eos,
+        min_tokens=rng.choice([0, rng.randint(1, 12)]),
+        stop_token_ids=[rng.randrange(VOCAB + 5) for _ in range(rng.randint(0, 2))],
+        ignore_eos=rng.random() < 0.3,
+    )
+    ids = {t for t in params["stop_token_ids"] if t < VOCAB}
+    if eos is not None and not params["ignore_eos"]:
+        ids.add(eos)
+    return params, ids
+
+
+def check_min_tokens_mask(batch: InputBatch, model: dict, masks: dict) -> None:
+    """The batch masks (row, id) for exactly the requests below min_tokens, at their rows."""
+    expected = set()
+    for req_id, (tokens, _, _, num_prompt, _) in model.items():
+        min_tokens, ids = masks[req_id]
+        if len(tokens) - num_prompt < min_tokens:
+            expected |= {(batch.req_id_to_index[req_id], t) for t in ids}
+    got = batch.min_tokens_stop_mask()
+    assert (got is None) == (not expected)
+    if got is not None:
+        pairs = list(zip(got[0].tolist(), got[1].tolist()))
+        assert len(pairs) == len(set(pairs)) and set(pairs) == expected
 
 
 def test_add_then_prepare_inputs_matches_reference():
@@ -184,6 +214,7 @@ def test_random_operations_match_a_plain_model(seed):
     max_len = 32
     batch = make_batch(max_num_reqs=6, max_model_len=max_len)
     model: dict[str, list] = {}
+    masks: dict[str, tuple[int, set[int]]] = {}
     next_id = 0
     for _ in range(120):
         poison_padding(batch)
@@ -194,6 +225,8 @@ def test_random_operations_match_a_plain_model(seed):
             tokens = [rng.randrange(VOCAB) for _ in range(length)]
             blocks = [rng.randrange(10_000) for _ in range(-(-length // BLOCK))]
             computed = rng.randint(0, length)
+            params, masked_ids = random_min_tokens_params(rng)
+            masks[f"q{next_id}"] = (params["min_tokens"], masked_ids)
             batch.add_request(
                 new_req(
                     f"q{next_id}",
@@ -202,6 +235,7 @@ def test_random_operations_match_a_plain_model(seed):
                     blocks,
                     computed,
                     temperature=rng.random(),
+                    **params,
                 )
             )
             model[f"q{next_id}"] = row_view(batch, f"q{next_id}")
@@ -217,6 +251,7 @@ def test_random_operations_match_a_plain_model(seed):
         elif op < 0.85:
             batch.condense()
             assert None not in batch.req_ids
+            check_min_tokens_mask(batch, model, masks)
         elif model:
             batch.condense()
             # One step: every request decodes its remaining tokens and samples one more.
@@ -246,7 +281,48 @@ def test_random_operations_match_a_plain_model(seed):
                         temp,
                     )
             batch.condense()
+            check_min_tokens_mask(batch, model, masks)
         check_against(batch, model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["add", "remove", "swap", "decode"]), max_size=40), st.randoms())
+def test_min_tokens_mask_follows_its_request_through_moves(ops, rng):
+    """Rows move (swap, condense after removal) and grow; the mask stays on each request's row
+    and ends when that request reaches min_tokens."""
+    batch = make_batch(max_num_reqs=5, max_model_len=24)
+    model, masks, next_id = {}, {}, 0
+    for op in ops:
+        if op == "add" and batch.num_reqs < batch.max_num_reqs:
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 4))]
+            output = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))]
+            params, masked_ids = random_min_tokens_params(rng)
+            masks[f"q{next_id}"] = (params["min_tokens"], masked_ids)
+            blocks = list(range(6))  # room for the whole max_model_len
+            batch.add_request(new_req(f"q{next_id}", prompt, output, blocks, **params))
+            model[f"q{next_id}"] = row_view(batch, f"q{next_id}")
+            next_id += 1
+        elif op == "remove" and model:
+            victim = rng.choice(sorted(model))
+            batch.remove_request(victim)
+            del model[victim]
+        elif op == "swap" and batch.req_ids:
+            rows = len(batch.req_ids)
+            batch.swap_rows(rng.randrange(rows), rng.randrange(rows))
+        elif op == "decode" and model:
+            batch.condense()
+            # Requests not at max_model_len receive one token each (as after a decode step).
+            sampled = [
+                [] if batch.num_tokens[row] == batch.max_model_len else [rng.randrange(VOCAB)]
+                for row in range(batch.num_reqs)
+            ]
+            batch.append_sampled_tokens(sampled)
+            for req_id, new_tokens in zip(batch.req_ids, sampled):
+                tokens, *rest = model[req_id]
+                model[req_id] = (tokens + new_tokens, *rest)
+        batch.condense()
+        check_against(batch, model)
+        check_min_tokens_mask(batch, model, masks)
 
 
 def test_swap_with_full_length_rows_and_holes():
@@ -386,6 +462,7 @@ def test_bad_input_is_rejected_without_changing_state():
         (new_req("b", [1], blocks=[0] * 3), "block_ids"),
         (new_req("b", [1], computed=2), "num_computed_tokens"),
         (new_req("b", [1], seed=2**64), "seed"),
+        (new_req("b", [1], eos=-1, min_tokens=2), "eos_token_id"),
     ]
     for req, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -14,13 +14,13 @@ from ember_worker.sampler import Sampler
 VOCAB = 50
 
 
-def batch_of(*params: SamplingParams, prompts=None, outputs=None) -> InputBatch:
+def batch_of(*params: SamplingParams, prompts=None, outputs=None, eos=None) -> InputBatch:
     batch = InputBatch(max(len(params), 1), 64, 256, 4, VOCAB)
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [1, 2, 3]
         output = outputs[i] if outputs else []
         blocks = list(range(-(-(len(prompt) + len(output)) // 4)))
-        batch.add_request(NewRequestData(f"r{i}", prompt, output, p, blocks, 0))
+        batch.add_request(NewRequestData(f"r{i}", prompt, output, p, blocks, 0, eos))
     return batch
 
 
@@ -96,3 +96,60 @@ def test_logprobs_when_every_row_asked_follow_the_sampled_tokens():
         assert abs(out.logprobs.logprobs[row][0] - reference[row, token].item()) < 1e-5
         assert len(out.logprobs.token_ids[row]) == 1 + (1, 2)[row]
         assert out.logprobs.ranks[row] == int((reference[row] > reference[row, token]).sum()) + 1
+
+
+EOS, STOP = 7, 11
+
+
+def test_eos_and_stop_ids_are_masked_below_min_tokens_only():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(5))
+    logits[:, STOP] = 10.0  # the argmax everywhere
+    logits[:, EOS] = 9.0  # the runner-up
+    logits[5, STOP] = -10.0  # row 5 has no stop ids: EOS is its argmax
+    greedy = dict(temperature=0.0, stop_token_ids=[STOP])
+    batch = batch_of(
+        SamplingParams(min_tokens=3, logprobs=1, **greedy),  # 0 outputs
+        SamplingParams(min_tokens=3, **greedy),  # 2 outputs
+        SamplingParams(min_tokens=3, **greedy),  # 3 outputs: at min_tokens, no mask
+        SamplingParams(min_tokens=3, ignore_eos=True, **greedy),  # EOS not masked
+        SamplingParams(**greedy),  # no min_tokens
+        SamplingParams(min_tokens=5, temperature=0.0),  # EOS only
+        outputs=[[], [5, 6], [5, 6, 8], [], [], [1]],
+        eos=EOS,
+    )
+    out = Sampler()(logits, batch.sampling_metadata())
+    masked = logits.clone()
+    masked[[0, 1], EOS] = masked[[0, 1, 3], STOP] = masked[5, EOS] = float("-inf")
+    expected = masked.argmax(-1)
+    assert not {EOS, STOP} & set(expected[[0, 1, 5]].tolist())
+    assert expected[2:5].tolist() == [STOP, EOS, STOP]
+    assert out.sampled_token_ids.tolist() == expected.tolist()
+    # Logprobs still describe the model's raw distribution, in which STOP is the top token.
+    reference = torch.log_softmax(logits[0].double(), -1)
+    assert out.logprobs.token_ids[0] == [int(expected[0]), STOP]
+    assert abs(out.logprobs.logprobs[0][1] - reference[STOP].item()) < 1e-5
+    assert out.logprobs.ranks[0] == int((reference > reference[expected[0]]).sum()) + 1
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampled_rows_below_min_tokens_never_draw_eos_or_stop_ids(top_k):
+    rows = 32
+    logits = torch.zeros(rows, VOCAB)
+    logits[:, EOS] = logits[:, STOP] = 30.0  # all the mass, unmasked
+    params = SamplingParams(temperature=1.0, top_k=top_k, min_tokens=2, stop_token_ids=[STOP])
+    batch = batch_of(*[params] * rows, eos=EOS)
+    for _ in range(4):
+        sampled = Sampler()(logits, batch.sampling_metadata()).sampled_token_ids
+        assert not bool(((sampled == EOS) | (sampled == STOP)).any())
+    unmasked = batch_of(*[params.clone(min_tokens=0)] * rows, eos=EOS)
+    sampled = Sampler()(logits, unmasked.sampling_metadata()).sampled_token_ids
+    assert bool(((sampled == EOS) | (sampled == STOP)).all())
+
+
+def test_no_min_tokens_mask_without_a_row_that_needs_it():
+    no_ids = batch_of(SamplingParams(min_tokens=4), SamplingParams(min_tokens=4, ignore_eos=True))
+    assert no_ids.sampling_metadata().min_tokens_mask is None  # no EOS known, no stop ids
+    reached = batch_of(SamplingParams(min_tokens=1), outputs=[[4]], eos=EOS)
+    assert reached.sampling_metadata().min_tokens_mask is None
+    past_vocab = batch_of(SamplingParams(min_tokens=2, stop_token_ids=[VOCAB + 5]))
+    assert past_vocab.sampling_metadata().min_tokens_mask is None

@@ -43,6 +43,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hits)
+    # The EOS id the request stops at (None: none, or ignore_eos); the sampler masks it, and the
+    # request's stop_token_ids, until the request has min_tokens outputs.
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

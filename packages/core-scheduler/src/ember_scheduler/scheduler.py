@@ -309,6 +309,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(req_id),
                     num_computed_tokens=num_computed,
+                    eos_token_id=request.eos_token_id,
                 )
             )
             num_scheduled_tokens[req_id] = num_new
@@ -377,9 +378,12 @@ class Scheduler:
                     output_ids.append(token)
                     all_ids.append(token)
                     num_outputs = len(output_ids)
-                    if num_outputs >= request.min_tokens and (
+                    # The worker's sampler cannot pick EOS or a stop id before min_tokens
+                    # outputs; the min_tokens test holds the rule for an executor that does not
+                    # mask (as vLLM's check_stop does).
+                    if (
                         token == eos_token_id or token in request.stop_token_ids
-                    ):
+                    ) and num_outputs >= request.min_tokens:
                         finish_reason = FinishReason.STOP
                         if token != eos_token_id:
                             request.stop_reason = token

@@ -38,6 +38,7 @@ ROW_STATE_DTYPE = np.dtype(
         ("repetition_penalty", np.float32),
         ("num_logprobs", np.int32),  # -1: none asked
         ("num_prompt_logprobs", np.int32),  # -1: none asked
+        ("min_tokens", np.int32),  # outputs before EOS/stop ids may be sampled; 0: no mask
         ("has_seed", np.bool_),
         ("seed", np.int64),
     ],
@@ -132,6 +133,10 @@ class InputBatch:
         self._num_rows = 0  # rows in use, holes included
         self._has_draft_tokens = False  # some row's num_tokens counts draft tokens
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
+        # Token ids (EOS unless ignore_eos, stop_token_ids) masked while a request has fewer than
+        # min_tokens outputs, keyed by request id so row moves need not touch it; a request
+        # leaves it once it reaches min_tokens. Empty in the common case, which then costs nothing.
+        self._min_tokens_stop_ids: dict[str, np.ndarray] = {}
 
         # Step buffers for prepare_inputs.
         max_tokens = max_num_batched_tokens
@@ -203,6 +208,16 @@ class InputBatch:
                 f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
                 f"got {new_req.num_computed_tokens}"
             )
+        if new_req.eos_token_id is not None and new_req.eos_token_id < 0:
+            raise ValueError(
+                f"NewRequestData.eos_token_id of {req_id!r} must be non-negative, "
+                f"got {new_req.eos_token_id}"
+            )
+        min_tokens, stop_ids = 0, None
+        if params.min_tokens > len(output):
+            stop_ids = self._stop_ids_below_min_tokens(new_req)
+            if len(stop_ids):
+                min_tokens = params.min_tokens
 
         row = heapq.heappop(self._holes) if self._holes else self._num_rows
         self._num_rows = max(self._num_rows, row + 1)
@@ -229,10 +244,23 @@ class InputBatch:
             params.repetition_penalty,
             -1 if params.logprobs is None else params.logprobs,
             -1 if params.prompt_logprobs is None else params.prompt_logprobs,
+            min_tokens,
             params.seed is not None,
             0 if params.seed is None else params.seed,
         )
+        if min_tokens:
+            self._min_tokens_stop_ids[req_id] = stop_ids
         return row
+
+    def _stop_ids_below_min_tokens(self, new_req: NewRequestData) -> np.ndarray:
+        """EOS (unless ignore_eos) and the stop_token_ids, without ids past the vocabulary
+        (the model can never sample those, so they need no mask)."""
+        params = new_req.sampling_params
+        ids = list(params.stop_token_ids)
+        if new_req.eos_token_id is not None and not params.ignore_eos:
+            ids.append(new_req.eos_token_id)
+        unique = np.unique(np.asarray(ids, dtype=np.int64))
+        return unique[unique < self.vocab_size]
 
     def remove_request(self, req_id: str) -> int | None:
         """Drop a request, leaving a hole at its row; returns that row (None if not held)."""
@@ -240,6 +268,7 @@ class InputBatch:
         if row is None:
             return None
         self._req_ids[row] = None
+        self._min_tokens_stop_ids.pop(req_id, None)
         self.num_tokens[row] = 0
         self.num_tokens_no_spec[row] = 0
         self.num_blocks[row] = 0
@@ -566,6 +595,24 @@ class InputBatch:
         self.num_tokens[rows] = ends + 1
         self._drop_draft_tokens()
         return [[t] if ok else [] for t, ok in zip(tokens.tolist(), reached_end.tolist())]
+
+    def min_tokens_stop_mask(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(rows, token_ids)`` to mask in this step's logits: EOS (unless ignore_eos) and the
+        stop_token_ids of every row with fewer than ``min_tokens`` outputs, as int64 index
+        arrays; None when no row has any. Needs a condensed batch."""
+        pending = self._min_tokens_stop_ids
+        if not pending:
+            return None
+        state = self.rows[: self.num_reqs]
+        num_outputs = state["num_tokens_no_spec"] - state["num_prompt_tokens"]
+        rows = np.flatnonzero(num_outputs < state["min_tokens"])
+        req_ids = [self._req_ids[row] for row in rows.tolist()]
+        if len(req_ids) < len(pending):  # some reached min_tokens: outputs only grow, drop them
+            self._min_tokens_stop_ids = pending = {r: pending[r] for r in req_ids}
+        if not req_ids:
+            return None
+        stop_ids = [pending[r] for r in req_ids]
+        return np.repeat(rows, [len(ids) for ids in stop_ids]), np.concatenate(stop_ids)
 
     def sampling_metadata(self) -> SamplingMetadata:
         """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, as tensors."""

@@ -1,10 +1,11 @@
 """The sampler: one token per row from ``[num_reqs, vocab]`` logits, vectorized over the batch.
 
 Order per step (as vLLM v1): logprobs of the raw logits (the model's distribution) for rows that
-asked; penalties; greedy rows take the argmax; the others divide by temperature, then min-p,
-top-k, top-p, and draw one token by inverse CDF from a single uniform per row. A seeded row's
-uniform comes from ``sampling_random`` (a hash of seed and output length), the others' from
-torch's generator; one number per row, not per vocabulary entry, keeps the draw cheap.
+asked; penalties; EOS and stop token ids set to ``-inf`` in rows with fewer than ``min_tokens``
+outputs; greedy rows take the argmax; the others divide by temperature, then min-p, top-k, top-p,
+and draw one token by inverse CDF from a single uniform per row. A seeded row's uniform comes
+from ``sampling_random`` (a hash of seed and output length), the others' from torch's generator;
+one number per row, not per vocabulary entry, keeps the draw cheap.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ember_scheduler.outputs import Logprobs
 from ember_worker.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from ember_worker.sampling_ops import (
     apply_min_p_,
+    apply_min_tokens_mask,
     apply_penalties,
     argmax_rows,
     inverse_cdf_sample,
@@ -60,6 +62,8 @@ class Sampler:
                 metadata.frequency_penalties,
                 metadata.repetition_penalties,
             )
+        if metadata.min_tokens_mask is not None:
+            logits = apply_min_tokens_mask(logits, *metadata.min_tokens_mask)
         sampled = argmax_rows(logits) if metadata.all_greedy else self._sample(logits, metadata)
 
         logprobs, rows = None, []

@@ -38,6 +38,9 @@ class SamplingMetadata:
     num_output_tokens: torch.Tensor | None  # int64 [n]
     num_logprobs: list[int]  # per row; -1: none asked
     max_num_logprobs: int | None  # None when no row asked
+    # (rows, token ids), int64 [k] each: logits set to -inf, EOS and stop ids of rows below
+    # min_tokens; None when no row needs it (the usual case)
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
 
     @property
     def no_penalties(self) -> bool:
@@ -89,6 +92,9 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
             (state["num_tokens_no_spec"] - state["num_prompt_tokens"]).astype(np.int64)
         )
     num_logprobs = state["num_logprobs"].tolist()
+    min_tokens_mask = batch.min_tokens_stop_mask()
+    if min_tokens_mask is not None:
+        min_tokens_mask = (to_device(min_tokens_mask[0]), to_device(min_tokens_mask[1]))
     max_num_logprobs = max(num_logprobs, default=-1)
     return SamplingMetadata(
         temperature=to_device(temperature),
@@ -107,6 +113,7 @@ def build_sampling_metadata(batch: InputBatch, device: torch.device) -> Sampling
         num_output_tokens=num_output_tokens,
         num_logprobs=num_logprobs,
         max_num_logprobs=None if max_num_logprobs < 0 else max_num_logprobs,
+        min_tokens_mask=min_tokens_mask,
     )
 
 

@@ -40,6 +40,15 @@ def apply_penalties(
     return logits if penalty is None else logits - penalty
 
 
+def apply_min_tokens_mask(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """A copy of ``logits`` with ``logits[rows[i], token_ids[i]]`` set to ``-inf`` (EOS and stop
+    ids of rows that have not reached min_tokens); the input, whose raw values logprobs read,
+    is left as it was."""
+    return logits.index_put((rows, token_ids), torch.tensor(_NEG_INF, device=logits.device))
+
+
 def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (in place) tokens whose probability is below ``min_p`` times the row's top one."""
     probs = logits.softmax(dim=-1)
