@@ -63,7 +63,7 @@ class _GroupPlan:
     num_pages: int
     max_q: int
     blocks: torch.Tensor  # [num_seqs * num_pages] physical blocks to gather, page by page
-    unwritten: torch.Tensor | None  # [num_seqs, padded_len]: gathered slots to zero, if any
+    unwritten: tuple[torch.Tensor, torch.Tensor] | None  # (seq, position) of slots to zero
     visible: torch.Tensor  # [num_seqs, 1, group * max_q, padded_len] bool
     bias: torch.Tensor  # the same as an additive float mask (0 or -inf)
     rows: torch.Tensor  # [num_seqs, max_q] query row of each (sequence, new token); pads repeat
@@ -171,7 +171,7 @@ def _build_group(
         num_pages=num_pages,
         max_q=max_q,
         blocks=blocks,
-        unwritten=unwritten if bool(unwritten.any()) else None,
+        unwritten=unwritten.nonzero(as_tuple=True) if bool(unwritten.any()) else None,
         visible=visible,
         bias=bias,
         rows=rows,
@@ -222,5 +222,6 @@ def _gather(
         pages.permute(0, 3, 1, 2, 4)
     )
     if group.unwritten is not None:
-        gathered.transpose(1, 2)[group.unwritten] = 0
+        seqs, positions = group.unwritten
+        gathered[seqs, :, positions] = 0
     return gathered
