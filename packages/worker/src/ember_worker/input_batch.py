@@ -490,52 +490,6 @@ class InputBatch:
             f"{seq_lens[row]} tokens"
         )
 
-    def _make_step_views(self, n: int, total: int) -> tuple[torch.Tensor, ...]:
-        """Tensor views of the step buffers for ``n`` rows and ``total`` tokens, in
-        ``ModelInputs`` order; cached by size, as slicing tensors costs more than the math."""
-        if len(self._step_views) >= 1024:
-            self._step_views.clear()
-        return (
-            self._input_ids_t[:total],
-            self._positions_t[:total],
-            self._slot_mapping_t[:total],
-            self._query_start_loc_t[: n + 1],
-            self._seq_lens_t[:n],
-            self._block_table_cpu_t[:n],
-            self._logits_indices_t[:n],
-        )
-
-    def _copy_to_device(self, views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        copies = []
-        for view, device_buffer in zip(views, self._device_buffers):
-            target = device_buffer[: view.shape[0]]
-            target.copy_(view, non_blocking=True)
-            copies.append(target)
-        return tuple(copies)
-
-    def _raise_bad_schedule(self, num_sched: np.ndarray, computed: np.ndarray, total: int) -> None:
-        n = len(num_sched)
-        if (num_sched < 0).any() or total <= 0:
-            raise ValueError("num_scheduled_tokens must be non-negative with a positive sum")
-        if total > self.max_num_batched_tokens:
-            raise ValueError(
-                f"num_scheduled_tokens sum to {total}, more than max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
-        seq_lens = computed + num_sched
-        over = np.flatnonzero(seq_lens > self.num_tokens[:n])
-        if len(over):
-            row = over[0]
-            raise ValueError(
-                f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
-                f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
-            )
-        row = np.flatnonzero(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n])[0]
-        raise ValueError(
-            f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "
-            f"{seq_lens[row]} tokens"
-        )
-
     def _drop_draft_tokens(self) -> None:
         if self._has_draft_tokens:
             self.num_tokens[:] = self.num_tokens_no_spec
