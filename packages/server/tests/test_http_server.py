@@ -19,10 +19,13 @@ import socket
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_thread import ServerThread
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine_args import EngineArgs
+from ember_server.openai.sse import parse_sse
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "test-key"
@@ -439,6 +442,94 @@ def test_openai_client_sees_typed_errors(client):
     assert info.value.status_code == 400 and "temperature" in info.value.message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT)
+
+
+_JSON_LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+)
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+# Valid values (the extremes included): the engine sees many of these bodies.
+_PLAUSIBLE = {
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 5000),
+    "seed": st.integers(-(2**63), 2**63 - 1) | st.integers(2**63, 2**70),  # too big: a 400
+    "stop": st.text(min_size=1, max_size=2) | st.lists(st.text(min_size=1, max_size=2), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 2047), max_size=2),
+    "stream": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "min_tokens": st.integers(0, 1),
+    "model": st.just(MODEL_NAME),
+}
+_PROMPTS = {
+    "completions": st.text(max_size=12) | st.lists(st.integers(0, 2047), min_size=1, max_size=4),
+    "chat/completions": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text()}
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+}
+_OTHER_FIELDS = ["echo", "best_of", "logit_bias", "ignore_eos", "response_format", "tools",
+                 "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                 "suffix", "max_completion_tokens", "include_stop_str_in_output", "min_p",
+                 "repetition_penalty", "max_tokens", "n", "frobnicate"]  # fmt: skip
+
+
+def _maybe_one_junk_field(body: dict):
+    """The body as is, or with one field set to arbitrary JSON (mostly-valid bodies reach the
+    engine; a junk field checks one validation path at a time)."""
+    junk = st.builds(
+        lambda field, value: {**body, field: value},
+        st.sampled_from([*_PLAUSIBLE, *_OTHER_FIELDS, "prompt", "messages"]),
+        _JSON,
+    )
+    return st.just(body) | junk
+
+
+def _bodies(route: str):
+    prompt_field = "prompt" if route == "completions" else "messages"
+    required = {"max_tokens": st.integers(1, 3), "n": st.integers(1, 2)}
+    required[prompt_field] = _PROMPTS[route]
+    valid = st.fixed_dictionaries(required, optional=_PLAUSIBLE)
+    return valid.flatmap(_maybe_one_junk_field).map(lambda body: (route, body))
+
+
+_REQUESTS = _bodies("completions") | _bodies("chat/completions")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request=_REQUESTS)
+def test_any_body_gets_an_answer_never_a_500(server, request):
+    route, body = request
+    url = f"{server.base_url}/v1/{route}"
+    with httpx.stream("POST", url, json=body, headers=AUTH, timeout=60) as response:
+        text = response.read().decode()
+    if response.status_code == 200:
+        if body.get("stream") is True:
+            events = parse_sse(text)
+            assert events[-1] == "[DONE]"
+            assert not any('"error"' in e for e in events[:-1]), events
+        return
+    assert response.status_code in (400, 404), (body, text)
+    error = json.loads(text)["error"]
+    assert error["code"] == response.status_code and error["message"], error
+
+
+def test_server_is_healthy_after_the_fuzzing(server):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    _assert_idle(server)
 
 
 # --- client disconnects: the request is aborted and its KV blocks are freed ---

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember_scheduler.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit on choices per request
+# Integers travel to the engine core as msgpack int64: larger ones are a 400, not a crash.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def random_id(prefix: str) -> str:
@@ -51,27 +54,27 @@ class _SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat completions (OpenAI's and vLLM's)."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: Annotated[int, Field(le=MAX_N)] = 1
+    best_of: Int64 | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -114,8 +117,8 @@ class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None  # None: OpenAI's default of 16, capped by the context left
-    logprobs: int | None = None
+    max_tokens: Int64 | None = None  # None: OpenAI's default of 16, capped by the context left
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -176,10 +179,10 @@ class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | None = None
