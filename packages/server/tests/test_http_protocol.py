@@ -94,6 +94,16 @@ def test_wrong_types_and_missing_fields_are_rejected(body, loc):
     assert any(found[: len(loc)] == loc for _, found in _errors(CompletionRequest, body))
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", 2**63), ("seed", -(2**63) - 1), ("top_k", 2**64), ("priority", 2**70), ("n", 129)],
+)
+def test_integers_beyond_what_the_engine_takes_are_rejected(field, value):
+    assert any(
+        loc[0] == field for _, loc in _errors(CompletionRequest, {"prompt": "x", field: value})
+    )
+
+
 def test_prompt_of_wrong_shape_is_rejected():
     assert _errors(CompletionRequest, {"prompt": 3})
     assert _errors(CompletionRequest, {"prompt": []})
