@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -271,4 +272,14 @@ def test_cpu_plan_is_rebuilt_when_metadata_changes_in_place():
     assert not moved.isnan().any(), f"seed {seed}: a stale plan read the old block"
     torch.testing.assert_close(
         moved.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}"
+    )
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 300_000])
+def test_cpu_path_cut_into_chunks_of_sequences(monkeypatch, chunk_bytes):
+    """Groups cut into chunks (one sequence each, or two) give the same results."""
+    module = importlib.import_module("ember_kernels.torch_ops.paged_attention")
+    monkeypatch.setattr(module, "CHUNK_BYTES", chunk_bytes)
+    check(
+        torch_ops, mixed_lengths(16, 120), group=2, head_size=64, block_size=16, dtype=torch.float32
     )

@@ -6,8 +6,10 @@ gathers the KV pages of all its sequences with one ``index_select`` into reused 
 buffers and runs one masked ``scaled_dot_product_attention``. The query heads that share a KV
 head are folded into the query rows, so keys and values are never repeated per query head.
 
-Everything that depends only on the batch's lengths and block table (the group split, the pages
-to gather, the masks) is a ``_BatchPlan``. Every layer of a forward step passes the same
+Groups whose gathered KV would exceed ``CHUNK_BYTES`` are cut into chunks of sequences, so that
+the gathered pages are still in the CPU's cache when they are transposed and attended (a loop
+over chunks of several megabytes each, never over tokens). Everything that depends only on the
+batch's lengths and block table (the groups, chunks, pages to gather, masks) is a ``_BatchPlan``. Every layer of a forward step passes the same
 metadata, so the last plan is kept and reused while the metadata is equal: only the first layer
 of a step pays for it.
 """
@@ -79,6 +81,10 @@ class _BatchPlan:
 
 
 _LAST_PLAN = threading.local()
+# Gathered keys and values per chunk of sequences: small enough that the gathered pages are still
+# in the CPU's cache when they are transposed and attended (measured: up to 2x faster than one
+# chunk for 64 sequences x 1k tokens); batches with less KV than this are a single chunk.
+CHUNK_BYTES = 4 * 2**20
 
 
 def _plan_for(query, key_cache, block_table, query_start_loc, seq_lens, sliding_window):
@@ -90,7 +96,9 @@ def _plan_for(query, key_cache, block_table, query_start_loc, seq_lens, sliding_
     """
     block_size, group = key_cache.shape[1], query.shape[1] // key_cache.shape[2]
     compute_dtype = torch.float32 if query.element_size() < 4 else query.dtype
-    settings = (block_size, group, sliding_window, compute_dtype)
+    # Bytes of gathered keys and values per KV position.
+    token_bytes = 2 * key_cache[0, 0].numel() * torch.empty((), dtype=compute_dtype).element_size()
+    settings = (block_size, group, sliding_window, compute_dtype, token_bytes)
     metadata = (block_table, query_start_loc, seq_lens)
     plan = getattr(_LAST_PLAN, "plan", None)
     if (
@@ -100,7 +108,14 @@ def _plan_for(query, key_cache, block_table, query_start_loc, seq_lens, sliding_
     ):
         return plan
     groups = _build_groups(
-        block_table, query_start_loc, seq_lens, block_size, group, sliding_window, compute_dtype
+        block_table,
+        query_start_loc,
+        seq_lens,
+        block_size,
+        group,
+        sliding_window,
+        compute_dtype,
+        token_bytes,
     )
     plan = _BatchPlan(groups, compute_dtype, settings, tuple(t.clone() for t in metadata))
     _LAST_PLAN.plan = plan
@@ -108,8 +123,16 @@ def _plan_for(query, key_cache, block_table, query_start_loc, seq_lens, sliding_
 
 
 def _build_groups(
-    block_table, query_start_loc, seq_lens, block_size, group, sliding_window, compute_dtype
+    block_table,
+    query_start_loc,
+    seq_lens,
+    block_size,
+    group,
+    sliding_window,
+    compute_dtype,
+    token_bytes,
 ) -> list[_GroupPlan]:
+    """The decode sequences and the others, each cut into chunks of about ``CHUNK_BYTES``."""
     q_starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - q_starts
     seq_lens = seq_lens.long()
@@ -117,22 +140,28 @@ def _build_groups(
         raise ValueError("seq_lens: every sequence's KV length must cover its query tokens")
     is_decode = q_lens == 1
     if bool(is_decode.all()):
-        selections = [None]
+        selections = [torch.arange(seq_lens.shape[0])]
     else:
-        selections = [s for s in (is_decode, q_lens > 1) if bool(s.any())]
-    return [
-        _build_group(
-            block_table if s is None else block_table[s],
-            q_starts if s is None else q_starts[s],
-            q_lens if s is None else q_lens[s],
-            seq_lens if s is None else seq_lens[s],
-            block_size,
-            group,
-            sliding_window,
-            compute_dtype,
-        )
-        for s in selections
-    ]
+        selections = [s.nonzero()[:, 0] for s in (is_decode, q_lens > 1) if bool(s.any())]
+    plans = []
+    for seqs in selections:
+        padded_len = -(-int(seq_lens[seqs].max()) // block_size) * block_size
+        chunk = max(1, CHUNK_BYTES // (padded_len * token_bytes))
+        for start in range(0, seqs.shape[0], chunk):
+            part = seqs[start : start + chunk]
+            plans.append(
+                _build_group(
+                    block_table[part],
+                    q_starts[part],
+                    q_lens[part],
+                    seq_lens[part],
+                    block_size,
+                    group,
+                    sliding_window,
+                    compute_dtype,
+                )
+            )
+    return plans
 
 
 def _build_group(
