@@ -15,6 +15,8 @@ def test_defaults_are_valid_and_match_the_openai_api():
     ("field", "value", "words"),
     [
         ("n", 0, "at least 1"),
+        ("seed", 2**63, "signed 64-bit"),
+        ("seed", -(2**63) - 1, "signed 64-bit"),
         ("max_tokens", 0, "at least 1"),
         ("min_tokens", -1, "at least 0"),
         ("temperature", -0.1, "[0, 100]"),

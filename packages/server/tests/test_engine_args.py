@@ -13,6 +13,7 @@ def test_cli_round_trip_sets_every_field():
             "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
             "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
             "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
+            "--num-threads", "3",
         ]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(namespace)
@@ -29,6 +30,7 @@ def test_cli_round_trip_sets_every_field():
         served_model_name="tiny",
         seed=7,
         scheduling_policy="priority",
+        num_threads=3,
     )
     assert args.model_name == "tiny"
 
@@ -50,6 +52,7 @@ def test_defaults_derive_from_model():
         ("max_model_len", 0),
         ("dtype", "int8"),
         ("model", ""),
+        ("num_threads", 0),
     ],
 )
 def test_bad_values_name_the_field(field, value):

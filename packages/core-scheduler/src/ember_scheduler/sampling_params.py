@@ -40,6 +40,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             self.top_k = 0
         _check(self.n >= 1, "n", self.n, "must be at least 1")
         _check(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            self.seed,
+            "must fit in a signed 64-bit integer",
+        )
+        _check(
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
             self.max_tokens,

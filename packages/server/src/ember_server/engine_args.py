@@ -38,7 +38,8 @@ class EngineArgs:
     ``None`` means "derive it": ``max_model_len`` from the model's config,
     ``max_num_batched_tokens`` as ``max(max_model_len, 2048)``, ``kv_cache_memory`` as 256 MiB
     on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
-    ``tokenizer`` and ``served_model_name`` from ``model``.
+    ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
+    the engine) as the cores available minus one for the front end, at least one.
     """
 
     model: str
@@ -53,6 +54,7 @@ class EngineArgs:
     served_model_name: str | None = None
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority": lower ``priority`` values run first
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,7 +64,7 @@ class EngineArgs:
             self.tokenizer = str(self.tokenizer)
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
@@ -130,6 +132,12 @@ class EngineArgs:
             default="fcfs",
             choices=_POLICIES,
             help="fcfs: first come, first served; priority: lower request priority runs first.",
+        )
+        group.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch CPU threads of the engine; default: available cores minus one, at least 1.",
         )
         return parser
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_server.engine_args import EngineArgs
@@ -10,6 +12,12 @@ from ember_server.model_config import ModelConfig
 # KV cache budget when none is given and the model runs on the CPU (the worker sizes GPU caches
 # from free memory itself).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
+
+
+def default_num_threads() -> int:
+    """Cores this process may use, less one for the front end: on a small machine, torch's
+    default of one thread per core makes its threads spin against the front end's work."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
@@ -30,6 +38,7 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         block_size=args.block_size,
         kv_cache_memory=kv_cache_memory,
         seed=args.seed,
+        num_threads=args.num_threads or default_num_threads(),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
