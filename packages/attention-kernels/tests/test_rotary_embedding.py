@@ -65,8 +65,8 @@ def test_module_call_keeps_flattened_shape_and_accepts_no_key():
 
 @pytest.mark.parametrize("scaling", SCALINGS.values(), ids=SCALINGS.keys())
 def test_bit_identical_to_transformers_llama_in_float32(scaling):
-    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as modeling
 
     gen, seed = fresh_generator()
     config = LlamaConfig(
