@@ -461,7 +461,6 @@ def test_bad_input_is_rejected_without_changing_state():
         (new_req("b", []), "empty"),
         (new_req("b", [1], blocks=[0] * 3), "block_ids"),
         (new_req("b", [1], computed=2), "num_computed_tokens"),
-        (new_req("b", [1], seed=2**64), "seed"),
         (new_req("b", [1], eos=-1, min_tokens=2), "eos_token_id"),
     ]
     for req, match in bad:

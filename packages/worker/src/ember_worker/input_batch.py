@@ -201,8 +201,6 @@ class InputBatch:
                 f"more than {self.max_blocks_per_req} per request"
             )
         params = new_req.sampling_params
-        if params.seed is not None and not -(2**63) <= params.seed < 2**63:
-            raise ValueError(f"SamplingParams.seed of {req_id!r} must fit in 64 bits")
         if not 0 <= new_req.num_computed_tokens <= num_tokens:
             raise ValueError(
                 f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
