@@ -7,8 +7,9 @@ Workloads (64 prompts each; this script runs ``random``, ``bench_throughput_fixe
 The engine (EngineCore + scheduler + InProcessExecutor) runs every request with continuous
 batching. transformers runs static padded batches (left padding) of ``--hf-batch`` prompts in
 arrival order, each generating as many tokens as the batch's longest request; only each request's
-own tokens count. Both run greedy on one torch thread, in this process, one after the other;
-the script prints output tokens/s and the engine / transformers ratio.
+own tokens count. Both run greedy with the same torch intra-op thread count (``--threads``,
+default 1, printed), in this process, one after the other; the script prints output tokens/s and
+the engine / transformers ratio.
 
     python3 packages/worker/benchmarks/bench_throughput.py
 """
@@ -54,7 +55,7 @@ def workload(kind: str, num_prompts: int, seed: int = 0) -> tuple[list[list[int]
     return prompts, torch.randint(16, 257, (num_prompts,), generator=gen).tolist()
 
 
-def make_engine(max_num_seqs: int, max_tokens_per_seq: int) -> EngineCore:
+def make_engine(max_num_seqs: int, max_tokens_per_seq: int, num_threads: int = 1) -> EngineCore:
     executor = InProcessExecutor(
         model_path(),
         dtype="float32",
@@ -64,7 +65,7 @@ def make_engine(max_num_seqs: int, max_tokens_per_seq: int) -> EngineCore:
         block_size=BLOCK_SIZE,
         # Room for every request at full length: this benchmark measures speed, not preemption.
         kv_cache_memory=max_num_seqs * -(-max_tokens_per_seq // BLOCK_SIZE) * bytes_per_block(),
-        num_threads=1,
+        num_threads=num_threads,
     )
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_model_len=512
@@ -117,13 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--workloads", default="random", help="comma-separated: random, fixed")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    core = make_engine(args.num_prompts, 64 + 256, args.threads)  # sets torch's thread count
     hf = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # every batch runs its full length, as ignore_eos
     params = sum(p.numel() for p in hf.parameters()) / 1e6
-    print(f"model: llama {params:.1f}M parameters, float32, 1 torch thread")
-    core = make_engine(args.num_prompts, 64 + 256)
+    threads = torch.get_num_threads()
+    assert threads == args.threads, f"torch runs {threads} threads, asked for {args.threads}"
+    print(
+        f"model: llama {params:.1f}M parameters, float32, {threads} torch thread(s) on both sides"
+    )
     run_engine(core, [[5, 6, 7]] * 4, [4] * 4, "warmup")  # first-call costs out of the timings
     run_hf(hf, [[5, 6, 7]] * 4, [4] * 4, 4)
 

@@ -16,8 +16,7 @@ def reshape_and_cache(
 
     A slot is ``block_id * block_size + offset``; a negative slot skips its token (padding).
     """
-    block_size = key_cache.shape[1]
-    num_slots = key_cache.shape[0] * block_size
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
     if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
         raise ValueError(f"slot_mapping: slot {int(slot_mapping.max())} >= {num_slots} cache slots")
     valid = slot_mapping >= 0
@@ -25,7 +24,7 @@ def reshape_and_cache(
         slots, new_keys, new_values = slot_mapping, key, value
     else:
         slots, new_keys, new_values = slot_mapping[valid], key[valid], value[valid]
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots - blocks * block_size
-    key_cache[blocks, offsets] = new_keys
-    value_cache[blocks, offsets] = new_values
+    # One row copy per token into the caches viewed as [slots, kv_heads, head].
+    slots = slots.long()
+    key_cache.view(num_slots, *key_cache.shape[2:]).index_copy_(0, slots, new_keys)
+    value_cache.view(num_slots, *value_cache.shape[2:]).index_copy_(0, slots, new_values)

@@ -145,6 +145,8 @@ def _build_groups(
         selections = [s.nonzero()[:, 0] for s in (is_decode, q_lens > 1) if bool(s.any())]
     plans = []
     for seqs in selections:
+        # Shortest first, so that each chunk pads only to its own longest sequence.
+        seqs = seqs[seq_lens[seqs].argsort(stable=True)]
         padded_len = -(-int(seq_lens[seqs].max()) // block_size) * block_size
         chunk = max(1, CHUNK_BYTES // (padded_len * token_bytes))
         for start in range(0, seqs.shape[0], chunk):
