@@ -3,15 +3,17 @@
 One call serves a whole batch without a Python loop over sequences or tokens. The batch is split
 into decode sequences (one new token) and the rest (prefill or chunked prefill). Each group
 gathers the KV pages of all its sequences with one ``index_select`` into reused workspace
-buffers and runs one masked ``scaled_dot_product_attention``. The query heads that share a KV
-head are folded into the query rows, so keys and values are never repeated per query head.
+buffers and runs one masked ``scaled_dot_product_attention`` on a head-major view of them (no
+second copy in float32). The query heads that share a KV head are folded into the query rows, so
+keys and values are never repeated per query head.
 
-Groups whose gathered KV would exceed ``CHUNK_BYTES`` are cut into chunks of sequences, so that
-the gathered pages are still in the CPU's cache when they are transposed and attended (a loop
-over chunks of several megabytes each, never over tokens). Everything that depends only on the
-batch's lengths and block table (the groups, chunks, pages to gather, masks) is a ``_BatchPlan``. Every layer of a forward step passes the same
-metadata, so the last plan is kept and reused while the metadata is equal: only the first layer
-of a step pays for it.
+Groups whose gathered KV would exceed ``CHUNK_BYTES`` are cut into chunks of sequences (shortest
+first, so each chunk pads only to its own longest), so that the gathered pages are still in the
+CPU's cache when they are attended (a loop over chunks of several megabytes each, never over
+tokens). Everything that depends only on the batch's lengths and block table (the groups,
+chunks, pages to gather, masks) is a ``_BatchPlan``. Every layer of a forward step passes the
+same metadata, so the last plan is kept and reused while the metadata is equal: only the first
+layer of a step pays for it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class _BatchPlan:
 
 _LAST_PLAN = threading.local()
 # Gathered keys and values per chunk of sequences: small enough that the gathered pages are still
-# in the CPU's cache when they are transposed and attended (measured: up to 2x faster than one
+# in the CPU's cache when they are attended (measured: up to 2x faster than one
 # chunk for 64 sequences x 1k tokens); batches with less KV than this are a single chunk.
 CHUNK_BYTES = 4 * 2**20
 
@@ -239,20 +241,21 @@ def _attend(group, plan, query, key_cache, value_cache, scale, soft_cap, out) ->
 def _gather(
     group: _GroupPlan, cache: torch.Tensor, name: str, compute_dtype: torch.dtype
 ) -> torch.Tensor:
-    """The group's pages of ``cache`` as ``[num_seqs, kv_heads, padded_len, head]``."""
-    _, block_size, num_kv_heads, head_size = cache.shape
-    numel = group.blocks.numel() * cache[0].numel()
-    pages = WORKSPACE.get(f"{name}_pages", numel, cache.dtype, cache.device)
-    pages = pages.view(group.num_seqs, group.num_pages, block_size, num_kv_heads, head_size)
+    """The group's pages of ``cache`` as ``[num_seqs, kv_heads, padded_len, head]``.
+
+    The pages are copied once, whole, by ``index_select``; in the compute dtype the result is a
+    transposed view of that copy (SDPA reads the strides as they are, measured faster than a second
+    copy into head-major order), otherwise one more copy converts it.
+    """
+    num_kv_heads, head_size = cache.shape[2:]
+    pages = WORKSPACE.get(name, group.blocks.numel() * cache[0].numel(), cache.dtype, cache.device)
     torch.index_select(cache, 0, group.blocks, out=pages.view(-1, *cache.shape[1:]))
-    # SDPA is several times faster on [seqs, kv_heads, len, head] contiguous memory than on a
-    # transposed view: one more copy (converting half precision on the way) pays for itself.
-    gathered = WORKSPACE.get(name, numel, compute_dtype, cache.device)
-    gathered = gathered.view(group.num_seqs, num_kv_heads, -1, head_size)
-    gathered.view(group.num_seqs, num_kv_heads, group.num_pages, block_size, -1).copy_(
-        pages.permute(0, 3, 1, 2, 4)
-    )
+    tokens = pages.view(group.num_seqs, -1, num_kv_heads, head_size)
     if group.unwritten is not None:
         seqs, positions = group.unwritten
-        gathered[seqs, :, positions] = 0
-    return gathered
+        tokens[seqs, positions] = 0
+    gathered = tokens.transpose(1, 2)
+    if cache.dtype == compute_dtype:
+        return gathered
+    converted = WORKSPACE.get(f"{name}_converted", pages.numel(), compute_dtype, cache.device)
+    return converted.view(gathered.shape).copy_(gathered)
