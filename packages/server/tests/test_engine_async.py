@@ -160,6 +160,9 @@ def test_bad_input_fails_at_the_call_while_others_run(loop, engine, offline):
             engine.generate("a " * 400, params, "too-long")
         with pytest.raises(ValueError, match="prompt_token_ids"):
             engine.generate([1, 10**6], params, "bad-ids")
+        # A float where the engine core's decoder wants an int would end the engine process.
+        with pytest.raises(ValueError, match="top_k"):
+            engine.generate("x", params.clone(top_k=1.5), "bad-type")
         with pytest.raises(ValueError, match="already in flight"):
             engine.generate("x", params, "good")
         outputs += [out async for out in good]

@@ -152,6 +152,8 @@ def test_stop_string_ends_generation_and_frees_blocks(llm):
         ([5, 99999], {}, "prompt_token_ids"),
         ("a " * 400, {}, "context length"),
         ("hi", {"stop_token_ids": [5000]}, "stop_token_ids"),
+        ("hi", {"top_k": 1.5}, "top_k"),
+        ("hi", {"stop_token_ids": [1.0]}, "stop_token_ids"),
     ],
 )
 def test_bad_input_raises_before_anything_runs(llm, prompt, kwargs, field):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreRequest
@@ -18,6 +19,10 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.model_config import ModelConfig
 
 PromptType = str | Sequence[int]
+
+# SamplingParams does not check types on construction; the engine core's msgpack decoder does,
+# and a request it cannot decode would end the engine core process.
+_SAMPLING_PARAMS_FIELDS = [(f.name, f.type) for f in msgspec.structs.fields(SamplingParams)]
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -100,6 +105,11 @@ class InputProcessor:
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
+        for name, field_type in _SAMPLING_PARAMS_FIELDS:
+            try:
+                msgspec.convert(getattr(params, name), field_type)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"SamplingParams.{name}: {exc}") from None
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.model_config.scheduling_policy != "priority":
