@@ -154,6 +154,7 @@ def test_stop_string_ends_generation_and_frees_blocks(llm):
         ("hi", {"stop_token_ids": [5000]}, "stop_token_ids"),
         ("hi", {"top_k": 1.5}, "top_k"),
         ("hi", {"stop_token_ids": [1.0]}, "stop_token_ids"),
+        ("hi", {"top_k": 2**63}, "top_k"),
     ],
 )
 def test_bad_input_raises_before_anything_runs(llm, prompt, kwargs, field):
@@ -177,6 +178,9 @@ def test_priorities_under_the_priority_policy(llama_path):
     params = SamplingParams(temperature=0, max_tokens=3)
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False, priority=[2, 0, 1])
     assert [o.prompt for o in outputs] == PROMPTS[:3] and all(o.finished for o in outputs)
+    for bad in (True, 2**63):  # the engine core's decoder takes neither
+        with pytest.raises(ValueError, match="priority"):
+            llm.generate(PROMPTS[:1], params, use_tqdm=False, priority=[bad])
     llm.shutdown()
 
 

@@ -8,7 +8,10 @@ reuse its KV blocks instead of recomputing the prompt.
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
+import typing
 from collections.abc import Sequence
 
 import msgspec
@@ -20,9 +23,27 @@ from ember_server.model_config import ModelConfig
 
 PromptType = str | Sequence[int]
 
+# Integers travel to the engine core as msgpack int64, and its tensors hold them as int64.
+_Int64 = typing.Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+def _with_int64(field_type):
+    """``field_type`` with every ``int`` in it bounded to int64."""
+    if field_type is int:
+        return _Int64
+    args = typing.get_args(field_type)
+    if typing.get_origin(field_type) is list:
+        return list[_with_int64(args[0])]
+    if args:
+        return functools.reduce(operator.or_, map(_with_int64, args))
+    return field_type
+
+
 # SamplingParams does not check types on construction; the engine core's msgpack decoder does,
-# and a request it cannot decode would end the engine core process.
-_SAMPLING_PARAMS_FIELDS = [(f.name, f.type) for f in msgspec.structs.fields(SamplingParams)]
+# and a request it cannot decode (or an int beyond 64 bits) would end the engine core process.
+_SAMPLING_PARAMS_FIELDS = [
+    (f.name, _with_int64(f.type)) for f in msgspec.structs.fields(SamplingParams)
+]
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -110,8 +131,10 @@ class InputProcessor:
                 msgspec.convert(getattr(params, name), field_type)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"SamplingParams.{name}: {exc}") from None
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        try:
+            msgspec.convert(priority, _Int64)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"priority: {exc}") from None
         if priority != 0 and self.model_config.scheduling_policy != "priority":
             raise ValueError(
                 f"priority {priority} needs the priority scheduling policy "
