@@ -52,10 +52,6 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._sent_offset = 0
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
-
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append tokens and their text; return the stop string that now ends the text, if any.
 
@@ -71,7 +67,7 @@ class IncrementalDetokenizer:
         num_chars_before = len(self.output_text)
         if to_decode:
             self._fed_ids.extend(to_decode)
-            chunk = self._stream.step(self._backend, list(to_decode))
+            chunk = self._stream.step(self._backend, to_decode)
             if chunk is not None:
                 self.output_text += chunk
                 self._num_rendered = len(self._fed_ids)

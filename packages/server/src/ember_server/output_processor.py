@@ -149,10 +149,6 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.parent_requests)
 
-    def engine_request_ids(self, request_id: str) -> list[str]:
-        """The unfinished engine request ids of a front-end request (none if unknown)."""
-        return [c for c in self._children.get(request_id, ()) if c in self.request_states]
-
     def abort_requests(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
         """Forget requests; return their unfinished engine ids and their final aborted outputs."""
         engine_ids: list[str] = []
