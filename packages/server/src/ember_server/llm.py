@@ -82,7 +82,10 @@ class LLM:
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if not prompts:
             raise ValueError("prompts must not be empty")
-        params_list = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        params_list = [
+            SamplingParams() if params is None else params
+            for params in _per_prompt(sampling_params, len(prompts), "sampling_params")
+        ]
         priorities = _per_prompt(priority, len(prompts), "priority") if priority else None
         # Check and tokenize everything before the engine sees any of it.
         batch = []
@@ -92,19 +95,18 @@ class LLM:
             )
             request_id = str(next(self._request_counter))
             engine_requests = self.input_processor.make_requests(
-                request_id, ids, params or SamplingParams(), priorities[i] if priorities else 0
+                request_id, ids, params, priorities[i] if priorities else 0
             )
-            batch.append((request_id, text, engine_requests))
+            batch.append((request_id, text, params, engine_requests))
         order = {}
-        for i, (request_id, text, engine_requests) in enumerate(batch):
-            params = params_list[i] or SamplingParams()
+        for i, (request_id, text, params, engine_requests) in enumerate(batch):
             self.output_processor.add_request(
                 request_id, text, params, engine_requests, RequestOutputKind.FINAL_ONLY
             )
             order[request_id] = i
         results: list[RequestOutput | None] = [None] * len(batch)
         try:
-            for _, _, engine_requests in batch:
+            for *_, engine_requests in batch:
                 for request in engine_requests:
                     self.engine_core.add_request(request)
             self._run_engine(order, results, use_tqdm)
