@@ -168,15 +168,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
     def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.is_finished(self.status)
 
     def get_finished_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        return RequestStatus.get_finished_reason(self.status)
 
     def set_status(self, status: RequestStatus) -> None:
         """Move to ``status``; raises RuntimeError on a transition the state machine forbids."""
