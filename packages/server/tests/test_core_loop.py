@@ -111,6 +111,18 @@ def test_a_rejected_request_is_answered_not_fatal(wire):
     assert len(tokens["after"]) == 2 and thread.is_alive()
 
 
+def test_a_request_that_does_not_decode_is_answered_not_fatal(wire):
+    send, receive, thread, _ = wire
+    send(msg.ADD, _request("float-top-k", 5, top_k=1.5))  # SamplingParams checks no types
+    rejected = None
+    while rejected is None:
+        rejected = next((o for o in receive().outputs if o.request_id == "float-top-k"), None)
+    assert rejected.finish_reason == FinishReason.ABORT and "int" in rejected.finish_detail
+    send(msg.ADD, _request("after", 2))
+    tokens, _, _ = _run_until_finished(receive, ["after"])
+    assert len(tokens["after"]) == 2 and thread.is_alive()
+
+
 def test_shutdown_ends_the_loop(wire):
     send, _, thread, _ = wire
     send(msg.SHUTDOWN, None)

@@ -65,11 +65,7 @@ class EngineCoreProc:
             kind = kind.bytes
             handled = True
             if kind == msg.ADD:
-                request = self._request_decoder.decode(payload.buffer)
-                try:
-                    self.engine_core.add_request(request)
-                except ValueError as exc:  # the front end checks input; never die of a bad one
-                    self._reject(request.request_id, str(exc))
+                self._add(payload.buffer)
             elif kind == msg.ABORT:
                 self.engine_core.abort_requests(self._ids_decoder.decode(payload.buffer))
             elif kind == msg.SHUTDOWN:
@@ -77,6 +73,14 @@ class EngineCoreProc:
             else:
                 raise RuntimeError(f"engine core got an unknown message kind {kind!r}")
         return handled
+
+    def _add(self, buffer: memoryview) -> None:
+        """Queue a request; one that fails to decode or to queue is answered, not fatal."""
+        try:
+            request = self._request_decoder.decode(buffer)
+            self.engine_core.add_request(request)
+        except ValueError as exc:  # msgspec.ValidationError is one too
+            self._reject(_request_id(buffer), str(exc))
 
     def _reject(self, request_id: str, reason: str) -> None:
         output = EngineCoreOutput(
@@ -86,6 +90,14 @@ class EngineCoreProc:
 
     def _send(self, outputs: EngineCoreOutputs) -> None:
         self.output_socket.send(self._encoder.encode(outputs), copy=False)
+
+
+def _request_id(buffer: memoryview) -> str:
+    """The id (first field) of an ADD message, read without the typed decoder."""
+    fields = msgspec.msgpack.decode(buffer)
+    if not isinstance(fields, list) or not fields or not isinstance(fields[0], str):
+        raise RuntimeError("engine core got an ADD message that is not an EngineCoreRequest")
+    return fields[0]
 
 
 def run_engine_core(
