@@ -80,13 +80,7 @@ def build_app(engine, api_key: str | None = None) -> FastAPI:
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
         common.check_request(request)
         if isinstance(request, TokenizeChatRequest):
-            text = common.render_chat(
-                request.conversation(),
-                request.add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template_kwargs,
-            )
-            tokens = common.encode(text, add_special_tokens=False)
+            tokens = common.encode_chat(request)
         else:
             tokens = common.encode(request.prompt, request.add_special_tokens)
         body = TokenizeResponse(

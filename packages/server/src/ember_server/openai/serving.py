@@ -9,7 +9,7 @@ import anyio
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.openai.errors import OpenAIError, from_value_error
-from ember_server.openai.protocol import OpenAIRequest
+from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
 from ember_server.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -41,24 +41,20 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(
-        self,
-        conversation: list[dict[str, str]],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template_kwargs: dict | None,
-    ) -> str:
-        """The conversation as prompt text, through the tokenizer's chat template."""
+    def encode_chat(self, request: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The request's messages as prompt token ids, through the tokenizer's chat template."""
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation,
+            prompt = self.tokenizer.apply_chat_template(
+                request.conversation(),
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, a template that rejects the conversation
             raise OpenAIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
+        # The template writes the special tokens (bos) itself.
+        return self.encode(prompt, add_special_tokens=False)
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

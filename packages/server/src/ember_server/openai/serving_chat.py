@@ -37,14 +37,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self.check_request(request)
-        prompt = self.render_chat(
-            request.conversation(),
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
-        # The template writes the special tokens (bos) itself.
-        token_ids = self.encode(prompt, add_special_tokens=False)
+        token_ids = self.encode_chat(request)
         if not token_ids:
             raise OpenAIError("messages render to an empty prompt", 400, "messages")
         max_tokens = self.max_tokens_for(request.requested_max_tokens, len(token_ids), None)
