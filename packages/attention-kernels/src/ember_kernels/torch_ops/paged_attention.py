@@ -67,7 +67,7 @@ class _GroupPlan:
     num_pages: int
     max_q: int
     blocks: torch.Tensor  # [num_seqs * num_pages] physical blocks to gather, page by page
-    unwritten: tuple[torch.Tensor, torch.Tensor] | None  # (seq, position) of slots to zero
+    unwritten: torch.Tensor | None  # seq * padded_len + position of each slot to zero
     visible: torch.Tensor  # [num_seqs, 1, group * max_q, padded_len] bool
     bias: torch.Tensor  # the same as an additive float mask (0 or -inf)
     rows: torch.Tensor  # [num_seqs, max_q] query row of each (sequence, new token); pads repeat
@@ -204,7 +204,7 @@ def _build_group(
         num_pages=num_pages,
         max_q=max_q,
         blocks=blocks,
-        unwritten=unwritten.nonzero(as_tuple=True) if bool(unwritten.any()) else None,
+        unwritten=unwritten.view(-1).nonzero()[:, 0] if bool(unwritten.any()) else None,
         visible=visible,
         bias=bias,
         rows=rows,
@@ -250,11 +250,9 @@ def _gather(
     num_kv_heads, head_size = cache.shape[2:]
     pages = WORKSPACE.get(name, group.blocks.numel() * cache[0].numel(), cache.dtype, cache.device)
     torch.index_select(cache, 0, group.blocks, out=pages.view(-1, *cache.shape[1:]))
-    tokens = pages.view(group.num_seqs, -1, num_kv_heads, head_size)
     if group.unwritten is not None:
-        seqs, positions = group.unwritten
-        tokens[seqs, positions] = 0
-    gathered = tokens.transpose(1, 2)
+        pages.view(-1, num_kv_heads * head_size).index_fill_(0, group.unwritten, 0)
+    gathered = pages.view(group.num_seqs, -1, num_kv_heads, head_size).transpose(1, 2)
     if cache.dtype == compute_dtype:
         return gathered
     converted = WORKSPACE.get(f"{name}_converted", pages.numel(), compute_dtype, cache.device)
