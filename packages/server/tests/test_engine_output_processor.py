@@ -144,6 +144,16 @@ def test_abort_returns_a_final_output(tokenizer, inputs):
     assert not processor.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_abort_reports_every_sequence(tokenizer, inputs, kind):
+    processor = OutputProcessor(tokenizer)
+    _add(processor, inputs, "req", SamplingParams(n=2), kind)
+    _, outputs = processor.abort_requests(["req"])
+    assert [o.finished for o in outputs] == [False, True][-len(outputs) :]
+    reported = {c.index: c.finish_reason for o in outputs for c in o.outputs}
+    assert reported == {0: "abort", 1: "abort"}
+
+
 def test_priority_needs_the_priority_policy(inputs):
     with pytest.raises(ValueError, match="scheduling_policy"):
         inputs.make_requests("r", [1, 2], SamplingParams(), priority=3)

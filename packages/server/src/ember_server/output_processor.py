@@ -150,22 +150,21 @@ class OutputProcessor:
         return len(self.parent_requests)
 
     def abort_requests(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
-        """Forget requests; return their unfinished engine ids and their final aborted outputs."""
+        """Forget requests; return their unfinished engine ids and the outputs reporting the
+        aborts (the last of a request is finished; DELTA gives one per aborted sequence)."""
         engine_ids: list[str] = []
         finals: list[RequestOutput] = []
         for request_id in request_ids:
             parent = self.parent_requests.pop(request_id, None)
-            children = self._children.pop(request_id, [])
-            final = None
-            for child_id in children:
+            for child_id in self._children.pop(request_id, []):
                 state = self.request_states.pop(child_id, None)
                 if state is None:
                     continue
                 engine_ids.append(child_id)
                 output = self._completion_output(state, [], None, FinishReason.ABORT, None)
-                final = parent.make_output(output) or final
-            if final is not None:
-                finals.append(final)
+                request_output = parent.make_output(output)
+                if request_output is not None:
+                    finals.append(request_output)
         return engine_ids, finals
 
     def process_outputs(
