@@ -98,8 +98,7 @@ def build_app(engine, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.errored:
-            return error_response("The engine is not running (it failed); see the server log.", 503)
+        common.check_engine()  # 503 once the engine has failed
         return Response(status_code=200)
 
     @app.get("/version")
