@@ -20,7 +20,7 @@ TIMEOUT = 30
 @pytest.fixture
 def server(tiny_model):
     args = EngineArgs(
-        model=str(tiny_model("llama")), max_model_len=128, max_num_seqs=8, kv_cache_memory=2**21
+        model=str(tiny_model("llama")), max_model_len=1024, max_num_seqs=8, kv_cache_memory=2**21
     )
     with ServerThread(args) as running:
         yield running
@@ -28,7 +28,7 @@ def server(tiny_model):
 
 def test_killed_engine_fails_requests_and_health(server):
     base = f"{server.base_url}/v1"
-    body = dict(prompt="def main(argv):", max_tokens=100, ignore_eos=True)
+    body = dict(prompt="def main(argv):", max_tokens=1000, ignore_eos=True)  # outlasts the kill
     whole: dict[str, httpx.Response] = {}
 
     def post_whole() -> None:
