@@ -75,13 +75,19 @@ def _install_package(session: nox.Session, package: str, *extra: str) -> None:
     session.install(*editable, *groups, *extra)
 
 
+def _test_dir(session: nox.Session, package: str) -> pathlib.Path:
+    """The package's tests folder; the session is skipped while it holds no tests."""
+    test_dir = PACKAGES_DIR / package / "tests"
+    if not glob.glob(str(test_dir / "**" / "test_*.py"), recursive=True):
+        session.skip(f"{package} has no tests yet")
+    return test_dir
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's default (not slow) tests."""
-    test_dir = PACKAGES_DIR / package / "tests"
-    if not glob.glob(str(test_dir / "**" / "test_*.py"), recursive=True):
-        session.skip(f"{package} has no tests yet")
+    test_dir = _test_dir(session, package)
     _install_package(session, package)
     session.run("pytest", str(test_dir), *session.posargs)
 
@@ -89,8 +95,8 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def slow(session: nox.Session, package: str) -> None:
-    """Run one package's slow-marked tests (wider sweeps)."""
-    test_dir = PACKAGES_DIR / package / "tests"
+    """Run one package's slow-marked tests (wider sweeps); a package may have none (exit 5)."""
+    test_dir = _test_dir(session, package)
     _install_package(session, package)
     session.run("pytest", str(test_dir), "-m", "slow", *session.posargs, success_codes=[0, 5])
 
@@ -107,14 +113,25 @@ def benchmarks(session: nox.Session, package: str) -> None:
         session.run("python", script, *session.posargs)
 
 
-@nox.session
-def e2e(session: nox.Session) -> None:
-    """Cross-package tests in the root ``tests/`` folder, against the whole stack."""
+def _install_stack(session: nox.Session) -> None:
     _pin_local_cpu_torch(session)
     editable = [a for p in PACKAGES for a in ("-e", str(PACKAGES_DIR / p))]
     groups = nox.project.dependency_groups(_pyproject(ROOT), "test")
     session.install(*editable, "-e", str(ROOT), "-e", str(ROOT / "testing"), *groups)
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """Cross-package tests in the root ``tests/`` folder, against the whole stack."""
+    _install_stack(session)
     session.run("pytest", str(ROOT / "tests"), *session.posargs)
+
+
+@nox.session
+def e2e_slow(session: nox.Session) -> None:
+    """The root ``tests/`` folder's slow-marked tests (e.g. the wide parity sweep)."""
+    _install_stack(session)
+    session.run("pytest", str(ROOT / "tests"), "-m", "slow", *session.posargs)
 
 
 @nox.session(venv_backend="none")
