@@ -9,6 +9,7 @@ import shutil
 import tempfile
 
 import nox
+from packaging.requirements import Requirement
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "tests", "e2e", "build"]
@@ -37,7 +38,7 @@ def _local_closure(package: str) -> list[str]:
         if folder in order:
             return
         for dep in _pyproject(PACKAGES_DIR / folder)["project"]["dependencies"]:
-            name = dep.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+            name = Requirement(dep).name
             if name in DIST_TO_FOLDER:
                 visit(DIST_TO_FOLDER[name])
         order.append(folder)
@@ -65,14 +66,14 @@ def _pin_local_cpu_torch(session: nox.Session) -> None:
     session.env["UV_CONSTRAINT"] = str(constraints)
 
 
-def _install_package(session: nox.Session, package: str, *extra: str) -> None:
+def _install_package(session: nox.Session, package: str) -> None:
     _pin_local_cpu_torch(session)
     folder = PACKAGES_DIR / package
     groups = nox.project.dependency_groups(_pyproject(folder), "test")
     editable = [arg for dep in _local_closure(package) for arg in ("-e", str(PACKAGES_DIR / dep))]
     if package in USES_TEST_MODELS:
         editable += ["-e", str(ROOT / "testing")]
-    session.install(*editable, *groups, *extra)
+    session.install(*editable, *groups)
 
 
 def _test_dir(session: nox.Session, package: str) -> pathlib.Path:
