@@ -76,23 +76,18 @@ def test_bad_dtype_is_rejected(tiny_model):
         load_model(tiny_model("llama"), dtype="int8")
 
 
-def test_unsupported_architecture_is_named(tiny_model, tmp_path):
-    folder = tmp_path / "gpt2"
+@pytest.mark.parametrize(
+    ("architecture", "model_type"),
+    [("GPT2LMHeadModel", "gpt2"), ("OddForCausalLM", "odd-model")],
+    ids=["unsupported_architecture", "unknown_model_type"],
+)
+def test_unsupported_architecture_is_named(tiny_model, tmp_path, architecture, model_type):
+    folder = tmp_path / model_type
     shutil.copytree(tiny_model("llama"), folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    config.update(architectures=[architecture], model_type=model_type)
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        load_model(folder)
-
-
-def test_unknown_model_type_is_named(tiny_model, tmp_path):
-    folder = tmp_path / "odd"
-    shutil.copytree(tiny_model("llama"), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(architectures=["OddForCausalLM"], model_type="odd-model")
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="OddForCausalLM"):
+    with pytest.raises(ValueError, match=architecture):
         load_model(folder)
 
 
