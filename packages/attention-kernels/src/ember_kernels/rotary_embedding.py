@@ -9,9 +9,7 @@ import torch
 from ember_kernels import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Keys of a Hugging Face rope-parameters dict that this module reads elsewhere or that do not
-# change the frequencies (the caller passes base and rotary_dim explicitly).
-_IGNORED_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# The keys each rope type needs in a Hugging Face rope-parameters dict (others are ignored).
 _KEYS = {
     "default": set(),
     "linear": {"factor"},
