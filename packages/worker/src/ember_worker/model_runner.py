@@ -80,7 +80,7 @@ class ModelRunner:
         inputs = batch.prepare_inputs(num_scheduled)
         hidden_states = self.model(inputs.input_ids, inputs.positions, _attention_metadata(inputs))
 
-        prompt_logprobs = self._prompt_logprobs(hidden_states, inputs, num_scheduled)
+        prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sampler_output = self.sampler(logits, batch.sampling_metadata())
         sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
@@ -108,7 +108,7 @@ class ModelRunner:
         batch.condense()
 
     def _prompt_logprobs(
-        self, hidden_states: torch.Tensor, inputs: ModelInputs, num_scheduled: np.ndarray
+        self, hidden_states: torch.Tensor, num_scheduled: np.ndarray
     ) -> dict[str, Logprobs]:
         """Logprobs of the next prompt token at each prompt position scheduled this step, for
         requests that asked (``prompt_logprobs``); the last prompt position has no target."""
@@ -119,7 +119,8 @@ class ModelRunner:
         result: dict[str, Logprobs] = {}
         if rows.size == 0:
             return result
-        starts = inputs.query_start_loc.cpu().numpy()
+        # Each row's first token in the flat batch, from the host counts (no device read-back).
+        starts = np.cumsum(num_scheduled) - num_scheduled
         for row in rows.tolist():
             first = int(state["num_computed_tokens"][row])
             end = min(first + int(num_scheduled[row]), int(state["num_prompt_tokens"][row]) - 1)
