@@ -70,15 +70,16 @@ class _GroupPlan:
     unwritten: torch.Tensor | None  # seq * padded_len + position of each slot to zero
     visible: torch.Tensor  # [num_seqs, 1, group * max_q, padded_len] bool
     bias: torch.Tensor  # the same as an additive float mask (0 or -inf)
-    rows: torch.Tensor  # [num_seqs, max_q] query row of each (sequence, new token); pads repeat
-    is_real: torch.Tensor | None  # [num_seqs, max_q] which of ``rows`` are real tokens (prefill)
+    rows: torch.Tensor  # [num_seqs * max_q] query row of each (sequence, new token); pads repeat
+    real: torch.Tensor | None  # positions in ``rows`` of the real tokens (None: all are real)
+    out_rows: torch.Tensor  # the query rows of the real tokens: where the output goes
 
 
 @dataclass
 class _BatchPlan:
     groups: list[_GroupPlan]
     compute_dtype: torch.dtype
-    settings: tuple  # block size, heads per KV head, window, compute dtype
+    settings: tuple  # block size, heads per KV head, window, compute dtype, bytes per position
     metadata: tuple[torch.Tensor, ...]  # copies of block_table, query_start_loc, seq_lens
 
 
@@ -99,7 +100,7 @@ def _plan_for(query, key_cache, block_table, query_start_loc, seq_lens, sliding_
     block_size, group = key_cache.shape[1], query.shape[1] // key_cache.shape[2]
     compute_dtype = torch.float32 if query.element_size() < 4 else query.dtype
     # Bytes of gathered keys and values per KV position.
-    token_bytes = 2 * key_cache[0, 0].numel() * torch.empty((), dtype=compute_dtype).element_size()
+    token_bytes = 2 * key_cache.shape[2] * key_cache.shape[3] * compute_dtype.itemsize
     settings = (block_size, group, sliding_window, compute_dtype, token_bytes)
     metadata = (block_table, query_start_loc, seq_lens)
     plan = getattr(_LAST_PLAN, "plan", None)
@@ -199,6 +200,8 @@ def _build_group(
     visible = visible[:, None, None].expand(-1, 1, group, -1, -1)
     visible = visible.reshape(num_seqs, 1, group * max_q, padded_len)
     bias = torch.zeros(visible.shape, dtype=compute_dtype).masked_fill_(~visible, float("-inf"))
+    rows = rows.view(-1)
+    real = None if max_q == 1 else (token[None, :] < q_lens[:, None]).view(-1).nonzero()[:, 0]
     return _GroupPlan(
         num_seqs=num_seqs,
         num_pages=num_pages,
@@ -208,7 +211,8 @@ def _build_group(
         visible=visible,
         bias=bias,
         rows=rows,
-        is_real=None if max_q == 1 else token[None, :] < q_lens[:, None],
+        real=real,
+        out_rows=rows if real is None else rows[real],
     )
 
 
@@ -218,7 +222,7 @@ def _attend(group, plan, query, key_cache, value_cache, scale, soft_cap, out) ->
     compute_dtype = plan.compute_dtype
     keys = _gather(group, key_cache, "keys", compute_dtype)
     values = _gather(group, value_cache, "values", compute_dtype)
-    q = query[group.rows.view(-1)].to(compute_dtype)  # [num_seqs * max_q, q_heads, head]
+    q = query[group.rows].to(compute_dtype)  # [num_seqs * max_q, q_heads, head]
     q = q.view(num_seqs, max_q, num_kv_heads, -1, head_size)
     # -> [num_seqs, kv_heads, group * max_q, head]; for decode (max_q == 1) a free view.
     q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, -1, head_size)
@@ -231,11 +235,10 @@ def _attend(group, plan, query, key_cache, value_cache, scale, soft_cap, out) ->
         scores = scores.masked_fill(~group.visible, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), values)
     o = o.view(num_seqs, num_kv_heads, -1, max_q, head_size).permute(0, 3, 1, 2, 4)
-    o = o.reshape(num_seqs, max_q, -1, head_size)
-    if group.is_real is None:
-        out[group.rows.view(-1)] = o.view(num_seqs, -1, head_size).to(out.dtype)
-    else:
-        out[group.rows[group.is_real]] = o[group.is_real].to(out.dtype)
+    o = o.reshape(num_seqs * max_q, -1, head_size)
+    if group.real is not None:
+        o = o[group.real]
+    out[group.out_rows] = o.to(out.dtype)
 
 
 def _gather(
