@@ -341,6 +341,10 @@ class InputBatch:
 
     # ------------------------------------------------------------------ per-step updates
 
+    def _check_condensed(self, caller: str) -> None:
+        if self._holes:
+            raise ValueError(f"{caller} needs a condensed batch; call condense() first")
+
     def _row_of(self, req_id: str) -> int:
         row = self.req_id_to_index.get(req_id)
         if row is None:
@@ -382,9 +386,8 @@ class InputBatch:
         included); a row may be scheduled for 0 tokens, in which case its logits index is a
         placeholder and ``append_sampled_tokens`` gives it nothing.
         """
+        self._check_condensed("prepare_inputs")
         n = self.num_reqs
-        if self._holes or self._num_rows != n:
-            raise ValueError("prepare_inputs needs a condensed batch; call condense() first")
         num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
         if num_sched.shape != (n,) or n == 0:
             raise ValueError(
@@ -568,6 +571,5 @@ class InputBatch:
 
     def sampling_metadata(self) -> SamplingMetadata:
         """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, as tensors."""
-        if self._holes or self._num_rows != self.num_reqs:
-            raise ValueError("sampling_metadata needs a condensed batch; call condense() first")
+        self._check_condensed("sampling_metadata")
         return build_sampling_metadata(self, self.device)
