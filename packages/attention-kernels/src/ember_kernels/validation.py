@@ -1,4 +1,4 @@
-"""Argument checks shared by the torch and Triton paths (shapes and dtypes only: no device sync)."""
+"""Argument checks shared by the torch and Triton paths (shapes, dtypes, strides: no device sync)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,10 @@ def check_paged_attention_args(
             f"out: expected shape {tuple(query.shape)} and dtype {query.dtype}, got "
             f"{tuple(out.shape)} {out.dtype}"
         )
+
+
+def check_head_dim_contiguous(**tensors: torch.Tensor | None) -> None:
+    """The Triton kernels address the head_size (last) dim with stride 1; None entries are skipped."""
+    for name, t in tensors.items():
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head_size dim must be contiguous (stride 1)")

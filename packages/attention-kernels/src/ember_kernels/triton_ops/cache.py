@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember_kernels.validation import check_head_dim_contiguous
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -55,14 +57,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Triton reshape_and_cache (same contract as ``ember_kernels.reshape_and_cache``)."""
-    for name, t in (
-        ("key", key),
-        ("value", value),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-    ):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the head_size dim must be contiguous (stride 1)")
+    check_head_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return

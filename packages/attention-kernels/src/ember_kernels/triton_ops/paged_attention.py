@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ember_kernels.validation import check_paged_attention_args
+from ember_kernels.validation import check_head_dim_contiguous, check_paged_attention_args
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on NVIDIA GPUs
 
@@ -256,13 +256,9 @@ def paged_attention(
     check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sliding_window, out
     )
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the head_size dim must be contiguous (stride 1)")
+    check_head_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache, out=out)
     if out is None:
         out = torch.empty_like(query)
-    elif out.stride(-1) != 1:
-        raise ValueError("out: the head_size dim must be contiguous (stride 1)")
     num_seqs = seq_lens.shape[0]
     num_tokens, num_q_heads, head_size = query.shape
     page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

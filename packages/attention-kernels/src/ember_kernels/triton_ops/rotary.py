@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember_kernels.validation import check_head_dim_contiguous
+
 
 @triton.jit
 def _rotate_heads(
@@ -100,9 +102,7 @@ def rotary_embedding(
     is_neox_style: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton rotary embedding (same contract as ``ember_kernels.torch_ops.rotary_embedding``)."""
-    for name, t in (("query", query), ("key", key)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name}: the head_size dim must be contiguous (stride 1)")
+    check_head_dim_contiguous(query=query, key=key)
     num_tokens, num_q_heads, head_size = query.shape
     rotary_dim = cos_sin_cache.shape[-1]
     q_out = torch.empty_like(query)
