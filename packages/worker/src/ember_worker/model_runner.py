@@ -35,9 +35,7 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = loaded.model
-        self.config = loaded.config
         self.device = device
-        self.block_size = block_size
         self.input_batch = InputBatch(
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -69,7 +67,7 @@ class ModelRunner:
             )
         self._update_states(scheduler_output)
         batch = self.input_batch
-        req_ids = list(batch.req_ids)
+        req_ids = batch.req_ids  # a copy: the batch's own list changes next step
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids, dict(batch.req_id_to_index), [[] for _ in req_ids])
 
