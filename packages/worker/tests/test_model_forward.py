@@ -13,17 +13,22 @@ from ember_worker.model_loader import load_model
 BLOCK_SIZE = 4
 
 
-def _metadata(q_lens: list[int], seq_lens: list[int], blocks_per_seq: int) -> AttentionMetadata:
-    """Sequence i owns blocks [i * blocks_per_seq, ...); its new tokens are its last q_len ones."""
+def _metadata(
+    q_lens: list[int], seq_lens: list[int], blocks_per_seq: int, seqs: list[int] | None = None
+) -> AttentionMetadata:
+    """Row j is sequence ``seqs[j]`` (default j), which owns blocks [seqs[j] * blocks_per_seq,
+    ...); its new tokens are its last q_len ones."""
+    seqs = list(range(len(q_lens))) if seqs is None else seqs
     slots = []
-    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        first = i * blocks_per_seq * BLOCK_SIZE
+    for seq, q_len, seq_len in zip(seqs, q_lens, seq_lens):
+        first = seq * blocks_per_seq * BLOCK_SIZE
         slots += range(first + seq_len - q_len, first + seq_len)
-    table = torch.arange(len(q_lens) * blocks_per_seq, dtype=torch.int32)
+    first_blocks = torch.tensor(seqs, dtype=torch.int32)[:, None] * blocks_per_seq
+    table = first_blocks + torch.arange(blocks_per_seq, dtype=torch.int32)
     starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_table=table.view(len(q_lens), blocks_per_seq),
+        block_table=table,
         query_start_loc=starts,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         max_query_len=max(q_lens),
@@ -59,12 +64,8 @@ def test_prefill_then_decode_logits_match_transformers(tiny_model_any):
     done = [len(h) for h in heads]
     for _ in range(2):
         live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-        meta = _metadata([1] * len(live), [done[i] + 1 for i in live], blocks_per_seq=8)
-        # Each live sequence keeps its own blocks: rebuild the table for just those rows.
-        meta.block_table = torch.stack(
-            [torch.arange(i * 8, i * 8 + 8, dtype=torch.int32) for i in live]
-        )
-        meta.slot_mapping = torch.tensor([i * 8 * BLOCK_SIZE + done[i] for i in live])
+        # Each live sequence keeps its own blocks.
+        meta = _metadata([1] * len(live), [done[i] + 1 for i in live], 8, seqs=live)
         ids = torch.stack([prompts[i][done[i]] for i in live])
         positions = torch.tensor([done[i] for i in live])
         logits = model.compute_logits(model(ids, positions, meta))
