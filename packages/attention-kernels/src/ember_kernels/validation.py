@@ -16,7 +16,9 @@ def check_paged_attention_args(
     out: torch.Tensor | None,
 ) -> None:
     if query.dim() != 3:
-        raise ValueError(f"query: expected [num_tokens, num_q_heads, head_size], got {query.shape}")
+        raise ValueError(
+            f"query: expected [num_tokens, num_q_heads, head_size], got {tuple(query.shape)}"
+        )
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             "key_cache/value_cache: expected equal shapes [num_blocks, block_size, num_kv_heads,"
@@ -44,11 +46,13 @@ def check_paged_attention_args(
         raise ValueError(
             f"block_table: expected [num_seqs={num_seqs}, max_blocks], got {tuple(block_table.shape)}"
         )
-    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc)):
+    for name, t in (
+        ("block_table", block_table),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: expected an integer tensor, got {t.dtype}")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens: expected an integer tensor, got {seq_lens.dtype}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window: expected None or >= 1, got {sliding_window}")
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype):
