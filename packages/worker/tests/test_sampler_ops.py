@@ -24,6 +24,16 @@ def random_logits(rows: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def batch_of(params: list[SamplingParams], vocab: int = VOCAB, prompts=None, outputs=None):
+    """A batch with one row per params, each with prompt ``[1]`` unless ``prompts`` says."""
+    batch = InputBatch(len(params), 32, 64, 4, vocab)
+    for i, p in enumerate(params):
+        prompt = prompts[i] if prompts else [1]
+        output = outputs[i] if outputs else []
+        batch.add_request(NewRequestData(f"r{i}", prompt, output, p, [0], 0))
+    return batch
+
+
 def kept(row: torch.Tensor) -> set[int]:
     return set(torch.isfinite(row).nonzero().squeeze(1).tolist())
 
@@ -179,7 +189,6 @@ def test_penalties_match_the_reference():
 
 def test_penalties_through_the_batch_change_the_greedy_choice():
     """Counts and prompt masks come from the batch's own rows; padding is not counted."""
-    batch = InputBatch(3, 32, 64, 4, VOCAB)
     logits = torch.zeros(3, VOCAB)
     logits[:, 10] = 3.0  # favourite
     logits[:, 11] = 2.5  # runner-up
@@ -188,8 +197,8 @@ def test_penalties_through_the_batch_change_the_greedy_choice():
         ([1], [10, 10], SamplingParams(temperature=0, frequency_penalty=0.3)),  # 10 -> 2.4
         ([1], [10], SamplingParams(temperature=0, presence_penalty=0.3)),  # 10 -> 2.7
     ]
-    for i, (prompt, output, params) in enumerate(specs):
-        batch.add_request(NewRequestData(f"r{i}", prompt, output, params, [0], 0))
+    prompts, outputs, params = zip(*specs)
+    batch = batch_of(params, prompts=prompts, outputs=outputs)
     batch.token_ids_cpu[:, 3:] = 10  # padding full of the favourite must not count
     out = Sampler()(logits, batch.sampling_metadata())
     assert out.sampled_token_ids.tolist() == [11, 11, 10]
@@ -201,10 +210,7 @@ def test_temperature_shapes_the_distribution():
     rows = 4000
     base = torch.tensor([2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4))
     for temperature in (0.5, 1.5):
-        batch = InputBatch(rows, 8, rows, 4, VOCAB)
-        for i in range(rows):
-            params = SamplingParams(temperature=temperature)
-            batch.add_request(NewRequestData(f"r{i}", [1], [], params, [0], 0))
+        batch = batch_of([SamplingParams(temperature=temperature)] * rows)
         out = Sampler()(base.expand(rows, VOCAB).clone(), batch.sampling_metadata())
         freq = np.bincount(out.sampled_token_ids.numpy(), minlength=VOCAB)[:4] / rows
         expected = (base[:4] / temperature).softmax(-1).numpy()
@@ -213,15 +219,14 @@ def test_temperature_shapes_the_distribution():
 
 def test_greedy_and_sampled_rows_mix():
     logits = random_logits(4, 5)
-    batch = InputBatch(4, 8, 16, 4, VOCAB)
-    params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.0, top_k=1),
-        SamplingParams(temperature=0.0, top_k=3),
-        SamplingParams(temperature=0.9, min_p=1.0),
-    ]
-    for i, p in enumerate(params):
-        batch.add_request(NewRequestData(f"r{i}", [1], [], p, [0], 0))
+    batch = batch_of(
+        [
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=1.0, top_k=1),
+            SamplingParams(temperature=0.0, top_k=3),
+            SamplingParams(temperature=0.9, min_p=1.0),
+        ]
+    )
     meta = batch.sampling_metadata()
     assert not meta.all_greedy and not meta.all_random
     out = Sampler()(logits, meta)
@@ -230,8 +235,7 @@ def test_greedy_and_sampled_rows_mix():
 
 
 def test_sampler_rejects_mismatched_logits():
-    batch = InputBatch(2, 8, 16, 4, VOCAB)
-    batch.add_request(NewRequestData("a", [1], [], SamplingParams(), [0], 0))
+    batch = batch_of([SamplingParams()])
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(2, VOCAB), batch.sampling_metadata())
 
@@ -240,10 +244,8 @@ def test_sampler_rejects_mismatched_logits():
 def test_masked_tokens_are_never_sampled(temperature):
     torch.manual_seed(1)
     rows = 256
-    batch = InputBatch(rows, 8, rows, 4, VOCAB)
-    for i in range(rows):
-        params = SamplingParams(temperature=temperature, top_k=4, top_p=0.8, min_p=0.05)
-        batch.add_request(NewRequestData(f"r{i}", [1], [], params, [0], 0))
+    params = SamplingParams(temperature=temperature, top_k=4, top_p=0.8, min_p=0.05)
+    batch = batch_of([params] * rows)
     logits = random_logits(1, 6).expand(rows, VOCAB).clone()
     out = Sampler()(logits, batch.sampling_metadata())
     values, ids = top_k_top_p_candidates(
@@ -262,15 +264,13 @@ def test_rows_with_and_without_truncation_in_one_batch():
     vocab = 512
     rows = 64
     base = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 4
-    batch = InputBatch(rows, 8, rows, 4, vocab)
     kinds = [
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=1.0, top_p=0.5),
         SamplingParams(temperature=1.0, top_k=2),
         SamplingParams(temperature=0.0),
     ]
-    for i in range(rows):
-        batch.add_request(NewRequestData(f"r{i}", [1], [], kinds[i % 4], [0], 0))
+    batch = batch_of([kinds[i % 4] for i in range(rows)], vocab)
     out = Sampler()(base.expand(rows, vocab).clone(), batch.sampling_metadata())
     picks = out.sampled_token_ids.view(-1, 4)
     allowed_p = reference_top_k_top_p(base, 0, 0.5)
@@ -283,13 +283,12 @@ def test_rows_with_and_without_truncation_in_one_batch():
 
 
 def test_frequency_and_presence_count_output_tokens_only():
-    batch = InputBatch(2, 32, 64, 4, VOCAB)
     logits = torch.zeros(2, VOCAB)
     logits[:, 10] = 3.0
     logits[:, 11] = 2.5
     params = SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.2)
-    batch.add_request(NewRequestData("prompt-only", [10, 10, 10], [], params, [0], 0))
-    batch.add_request(NewRequestData("in-output", [1], [10, 10], params, [0], 0))
+    # A row with the token only in its prompt, and one with it twice in its output.
+    batch = batch_of([params] * 2, prompts=[[10, 10, 10], [1]], outputs=[[], [10, 10]])
     meta = batch.sampling_metadata()
     assert meta.prompt_token_mask is None and meta.repetition_penalties is None
     assert meta.output_token_counts[:, 10].tolist() == [0.0, 2.0]
