@@ -90,3 +90,28 @@ def make_paged_batch(
     query = torch.randn(num_tokens, num_kv_heads * group, head_size, generator=gen).to(dtype)
     seq_lens = torch.tensor([s for _, s in q_and_seq_lens], dtype=torch.int32)
     return PagedBatch(query, key_cache, value_cache, block_table, query_start_loc, seq_lens)
+
+
+def random_paged_batch(
+    q_and_seq_lens: list[tuple[int, int]],
+    *,
+    num_kv_heads: int = 2,
+    group: int = 2,
+    head_size: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    spare_blocks: int = 3,
+) -> tuple[PagedBatch, int]:
+    """``make_paged_batch`` from a fresh generator (small float32 defaults), with its seed."""
+    gen, seed = fresh_generator()
+    batch = make_paged_batch(
+        q_and_seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        gen=gen,
+        spare_blocks=spare_blocks,
+    )
+    return batch, seed
