@@ -62,13 +62,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp=tp, dtype=dtype)
         self.shard_sizes = [divide(size, tp.size, "output size") for size in output_sizes]
 
-    def _shard_offset(self, shard_id: int) -> int:
-        return sum(self.shard_sizes[:shard_id])
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        size = self.shard_sizes[shard_id]
-        target = param.data.narrow(0, self._shard_offset(shard_id), size)
-        _copy_checked(target, loaded.narrow(0, self.tp.rank * size, size))
+        self._load_shard(param, loaded, shard_id, self.tp.rank)
+
+    def _load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, index: int, source_rank: int
+    ) -> None:
+        """Copy slice ``source_rank`` of checkpoint tensor ``index`` into its place in ``param``."""
+        size = self.shard_sizes[index]
+        target = param.data.narrow(0, sum(self.shard_sizes[:index]), size)
+        _copy_checked(target, loaded.narrow(0, source_rank * size, size))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -109,10 +112,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         index = self.SHARD_IDS.index(shard_id)
-        size = self.shard_sizes[index]
         rank = self.tp.rank if index == 0 else self.tp.rank // self.kv_replicas
-        target = param.data.narrow(0, self._shard_offset(index), size)
-        _copy_checked(target, loaded.narrow(0, rank * size, size))
+        self._load_shard(param, loaded, index, rank)
 
 
 class RowParallelLinear(nn.Module):
