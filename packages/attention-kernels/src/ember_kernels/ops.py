@@ -139,7 +139,10 @@ def _check_cache_args(
             f"key's {tuple(key.shape[1:])}"
         )
     if key_cache.dtype != key.dtype or value_cache.dtype != value.dtype:
-        raise ValueError(f"key_cache: dtype {key_cache.dtype} differs from key's {key.dtype}")
+        raise ValueError(
+            f"key_cache/value_cache: dtypes {key_cache.dtype}/{value_cache.dtype} differ from "
+            f"key/value's {key.dtype}/{value.dtype}"
+        )
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (
         torch.int32,
         torch.int64,
