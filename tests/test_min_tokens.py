@@ -47,9 +47,8 @@ def generate(requests: dict[str, tuple[SamplingParams, int | None]]) -> dict[str
     """Run the requests (params, eos id) together in one engine that chunks the prompt; returns
     (tokens, finish reason, stop reason) per request."""
     prompt, _ = prompt_and_forced_eos()
-    assert (
-        len(prompt) > 24
-    )  # the 24-token budget splits the prompt: mid-prefill rows are masked too
+    # The 24-token budget splits the prompt: mid-prefill rows are masked too.
+    assert len(prompt) > 24
     core = make_engine(ARCH, max_num_batched_tokens=24)
     for req_id, (params, eos) in requests.items():
         core.add_request(EngineCoreRequest(req_id, prompt, params, eos_token_id=eos))
