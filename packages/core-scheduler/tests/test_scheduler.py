@@ -245,6 +245,7 @@ def test_a_prompt_that_can_never_fit_is_ignored_and_others_are_unaffected(
     prompt_len, blocks, words
 ):
     engine, _ = _engine(num_blocks=blocks, block_size=4, max_num_seqs=2)
+    assert engine.max_num_tokens == min(256, (blocks - 1) * 4) < prompt_len  # block 0 is null
     params = SamplingParams(max_tokens=4)
     engine.add_request(make_request("ok1", [1, 2, 3], params))
     engine.add_request(make_request("huge", [7] * prompt_len, params))

@@ -187,7 +187,7 @@ def test_priorities_under_the_priority_policy(llama_path):
 def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
     # 64 KiB holds 8 blocks of 16 tokens of this model's KV (2 layers x 2 KV heads x 16 x fp32).
     llm = LLM(str(llama_path), kv_cache_memory=64 * 1024, max_model_len=512)
-    capacity = llm.engine_core.scheduler.max_num_tokens
+    capacity = llm.engine_core.max_num_tokens
     assert capacity < 512
     with pytest.raises(ValueError, match="KV cache"):
         llm.generate([[5] * capacity], SamplingParams(max_tokens=1), use_tqdm=False)

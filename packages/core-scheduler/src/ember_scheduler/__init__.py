@@ -1,7 +1,7 @@
 """Continuous-batching scheduler, requests and engine core of Ember."""
 
 from ember_scheduler.config import SchedulerConfig
-from ember_scheduler.engine_core import EngineCore
+from ember_scheduler.engine_core import EngineCore, Executor
 from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -11,7 +11,6 @@ from ember_scheduler.engine_types import (
 )
 from ember_scheduler.outputs import (
     CachedRequestData,
-    Executor,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from ember_kv_cache import KVCacheManager
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
-from ember_scheduler.outputs import Executor
+from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """What the engine core drives: owns the workers, the model and the KV cache tensors."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks the KV cache tensors hold, sized from the memory budget at start-up."""
+        ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
 
 
 class EngineCore:
@@ -32,6 +49,12 @@ class EngineCore:
             hash_algo=config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The longest sequence a request may reach: ``max_model_len``, or the KV cache pool's
+        token capacity where that is smaller."""
+        return self.scheduler.max_num_tokens
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request (ValueError on a duplicate id or bad input; nothing changes then)."""

@@ -9,8 +9,6 @@ its output tokens so far.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import msgspec
 
 from ember_scheduler.sampling_params import SamplingParams
@@ -82,19 +80,3 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: Logprobs | None = None  # one row per sampled token, in req_ids order
     prompt_logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
-
-
-class Executor(Protocol):
-    """What the engine core drives: owns the workers, the model and the KV cache tensors."""
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Blocks the KV cache tensors hold, sized from the memory budget at start-up."""
-        ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def shutdown(self) -> None: ...

@@ -32,9 +32,8 @@ from ember_scheduler.outputs import (
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 
+# An enum member read through its class costs a lookup per request and step; a module name does not.
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 class Scheduler:
@@ -115,7 +114,7 @@ class Scheduler:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if request.status == _RUNNING:
+            if request.status == RequestStatus.RUNNING:
                 removed_running.add(request)
                 self.kv_cache_manager.free(request_id)
                 self.finished_req_ids.add(request_id)
@@ -138,24 +137,54 @@ class Scheduler:
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        allocate_slots = kv.allocate_slots
-        config = self.config
-        token_budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
-        lookahead = config.num_lookahead_tokens
-        max_num_tokens = self.max_num_tokens
-
+        token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         spec_decode_tokens: dict[str, list[int]] = {}
-        cached_req_ids: list[str] = []
-        cached_new_block_ids: list[list[int]] = []
-        cached_num_computed: list[int] = []
+        cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted_req_ids: set[str] = set()
-        unscheduled_victims = False
+        token_budget = self._schedule_running(
+            token_budget, num_scheduled_tokens, spec_decode_tokens, cached_reqs, preempted_req_ids
+        )
+        # Waiting requests are admitted only in a step that preempted nothing: a preemption
+        # means the cache is full, and admitting would only evict what is about to run.
+        if not preempted_req_ids:
+            token_budget = self._schedule_waiting(token_budget, new_reqs, num_scheduled_tokens)
 
+        num_common_prefix_blocks = 0
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id, len(self.running)
+            )
+        finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            scheduled_spec_decode_tokens=spec_decode_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+
+    def _schedule_running(
+        self,
+        token_budget: int,
+        num_scheduled_tokens: dict[str, int],
+        spec_decode_tokens: dict[str, list[int]],
+        cached_reqs: CachedRequestData,
+        preempted_req_ids: set[str],
+    ) -> int:
+        """Catch running requests up in admission order, preempting where the cache is full."""
+        # Locals: this loop runs once per running request every step.
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        threshold = self.config.long_prefill_token_threshold
+        lookahead = self.config.num_lookahead_tokens
+        max_num_tokens = self.max_num_tokens
         running = self.running
+        withdrew = False
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -189,26 +218,24 @@ class Scheduler:
                 )
                 if new_block_ids is not None:
                     break
-                victim = self._select_victim()
-                victim_index = running.index(victim) if victim is not running[-1] else -1
-                if victim_index != -1 and victim_index < index:
+                victim, visited = self._preempt_victim(index)
+                preempted_req_ids.add(victim.request_id)
+                if visited:
                     # Priority policy only: a request met earlier this step gives way.
+                    index -= 1
                     withdrawn = num_scheduled_tokens.pop(victim.request_id, None)
                     if withdrawn is not None:
                         token_budget += withdrawn
                         spec_decode_tokens.pop(victim.request_id, None)
-                        unscheduled_victims = True
-                    index -= 1
-                self._preempt(victim, victim_index)
-                preempted_req_ids.add(victim.request_id)
+                        withdrew = True
                 if victim is request:
                     break
             if new_block_ids is None:
                 break
 
-            cached_req_ids.append(req_id)
-            cached_new_block_ids.append(new_block_ids)
-            cached_num_computed.append(num_computed)
+            cached_reqs.req_ids.append(req_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(num_computed)
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = num_computed + num_new
@@ -219,36 +246,12 @@ class Scheduler:
                 request.spec_token_ids = []
             index += 1
 
-        if unscheduled_victims:
-            keep = [i for i, r in enumerate(cached_req_ids) if r in num_scheduled_tokens]
-            cached_req_ids = [cached_req_ids[i] for i in keep]
-            cached_new_block_ids = [cached_new_block_ids[i] for i in keep]
-            cached_num_computed = [cached_num_computed[i] for i in keep]
-
-        # Waiting requests are admitted only in a step that preempted nothing: a preemption
-        # means the cache is full, and admitting would only evict what is about to run.
-        if not preempted_req_ids:
-            token_budget = self._schedule_waiting(token_budget, new_reqs, num_scheduled_tokens)
-
-        num_common_prefix_blocks = 0
-        if self.running:
-            num_common_prefix_blocks = kv.get_num_common_prefix_blocks(
-                self.running[0].request_id, len(self.running)
-            )
-        finished_req_ids = self.finished_req_ids
-        self.finished_req_ids = set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=CachedRequestData(
-                cached_req_ids, cached_new_block_ids, cached_num_computed
-            ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
-            scheduled_spec_decode_tokens=spec_decode_tokens,
-            num_common_prefix_blocks=num_common_prefix_blocks,
-            finished_req_ids=finished_req_ids,
-            preempted_req_ids=preempted_req_ids,
-        )
+        if withdrew:
+            keep = [i for i, r in enumerate(cached_reqs.req_ids) if r in num_scheduled_tokens]
+            for name in ("req_ids", "new_block_ids", "num_computed_tokens"):
+                column = getattr(cached_reqs, name)
+                setattr(cached_reqs, name, [column[i] for i in keep])
+        return token_budget
 
     def _schedule_waiting(
         self,
@@ -259,24 +262,19 @@ class Scheduler:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         kv = self.kv_cache_manager
         config = self.config
-        waiting = self.waiting
-        running = self.running
-        threshold = config.long_prefill_token_threshold
-        use_cache = config.enable_prefix_caching
-        while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
-            request = waiting.peek_request()
+        while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting.peek_request()
             req_id = request.request_id
             token_ids = request.all_token_ids
-            extras = request.block_hash_extras
             computed = None
             num_computed = 0
             # Prompt logprobs need logits at every prompt position, so no prefix-cache hits.
-            if use_cache and request.sampling_params.prompt_logprobs is None:
-                computed = kv.get_computed_blocks(req_id, token_ids, extras)
+            if config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+                computed = kv.get_computed_blocks(req_id, token_ids, request.block_hash_extras)
                 num_computed = computed.num_computed_tokens
             num_new = len(token_ids) - num_computed
-            if 0 < threshold < num_new:
-                num_new = threshold
+            if 0 < config.long_prefill_token_threshold < num_new:
+                num_new = config.long_prefill_token_threshold
             if num_new > token_budget:
                 if not config.enable_chunked_prefill:
                     break
@@ -292,13 +290,13 @@ class Scheduler:
                 num_new,
                 computed=computed,
                 num_lookahead_tokens=num_lookahead,
-                extras=extras,
+                extras=request.block_hash_extras,
             )
             if new_block_ids is None:
                 break
-            waiting.pop_request()
-            running.append(request)
-            request.set_status(_RUNNING)
+            self.waiting.pop_request()
+            self.running.append(request)
+            request.set_status(RequestStatus.RUNNING)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             new_reqs.append(
@@ -317,24 +315,29 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
         return token_budget
 
-    def _select_victim(self) -> Request:
-        """The running request to preempt: the newest (FCFS), or the lowest priority, latest
-        arrival (priority policy)."""
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+    def _preempt_victim(self, current: int) -> tuple[Request, bool]:
+        """Preempt the running request the policy picks (the newest under FCFS; the lowest
+        priority, latest arrival under ``policy="priority"``).
 
-    def _preempt(self, request: Request, index: int) -> None:
-        """Preempt by recompute: free the request's blocks and queue it at the front."""
-        del self.running[index]
-        self.kv_cache_manager.free(request.request_id)
-        request.set_status(RequestStatus.PREEMPTED)
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        request.num_prompt_logprob_rows_seen = 0
+        Returns the victim and whether it sat before ``running[current]``, that is, whether this
+        step already visited it.
+        """
+        running = self.running
+        if self.config.policy == "priority":
+            victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+            position = running.index(victim)
+        else:
+            victim, position = running[-1], len(running) - 1
+        del running[position]
+        self.kv_cache_manager.free(victim.request_id)
+        victim.set_status(RequestStatus.PREEMPTED)
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.num_preemptions += 1
+        victim.num_prompt_logprob_rows_seen = 0
         self._num_preemptions += 1
-        self.waiting.prepend_request(request)
+        self.waiting.prepend_request(victim)
+        return victim, position < current
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -342,7 +345,6 @@ class Scheduler:
         """Apply one step's sampled tokens; returns what changed for each request."""
         outputs = self._pending_outputs
         self._pending_outputs = []
-        requests = self.requests
         sampled_token_ids = model_runner_output.sampled_token_ids
         spec_token_ids = model_runner_output.spec_token_ids
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
@@ -353,57 +355,24 @@ class Scheduler:
             logprob_offsets = list(
                 itertools.accumulate((len(t) for t in sampled_token_ids), initial=0)
             )
-        max_num_tokens = self.max_num_tokens
         finished: list[Request] = []
 
         for index, req_id in enumerate(model_runner_output.req_ids):
-            request = requests.get(req_id)
+            request = self.requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue  # aborted or preempted since it was scheduled
             new_token_ids = sampled_token_ids[index]
-            if scheduled_spec:
-                drafts = scheduled_spec.get(req_id)
-                if drafts and new_token_ids:
-                    # KV of rejected drafts is stale: recompute from the first rejected one.
-                    request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
-            if spec_token_ids is not None and new_token_ids:
-                request.spec_token_ids = spec_token_ids[index]  # drafts to verify next step
-
             finish_reason = None
             if new_token_ids:
-                output_ids = request.output_token_ids
-                all_ids = request.all_token_ids
-                eos_token_id = request.eos_token_id
-                for count, token in enumerate(new_token_ids, 1):
-                    output_ids.append(token)
-                    all_ids.append(token)
-                    num_outputs = len(output_ids)
-                    # The worker's sampler cannot pick EOS or a stop id before min_tokens
-                    # outputs; the min_tokens test holds the rule for an executor that does not
-                    # mask (as vLLM's check_stop does).
-                    if (
-                        token == eos_token_id or token in request.stop_token_ids
-                    ) and num_outputs >= request.min_tokens:
-                        finish_reason = FinishReason.STOP
-                        if token != eos_token_id:
-                            request.stop_reason = token
-                    elif num_outputs >= request.max_tokens or len(all_ids) >= max_num_tokens:
-                        finish_reason = FinishReason.LENGTH
-                    else:
-                        continue
-                    if count < len(new_token_ids):
-                        new_token_ids = new_token_ids[:count]
-                    break
+                if scheduled_spec:
+                    _roll_back_rejected_drafts(request, scheduled_spec.get(req_id), new_token_ids)
+                if spec_token_ids is not None:
+                    request.spec_token_ids = spec_token_ids[index]  # drafts to verify next step
+                new_token_ids, finish_reason = self._append_until_stop(request, new_token_ids)
 
             new_logprobs = None
             if logprob_offsets is not None and request.sampling_params.logprobs is not None:
-                start = logprob_offsets[index]
-                end = start + len(new_token_ids)
-                new_logprobs = Logprobs(
-                    logprobs.token_ids[start:end],
-                    logprobs.logprobs[start:end],
-                    logprobs.ranks[start:end],
-                )
+                new_logprobs = _slice_rows(logprobs, logprob_offsets[index], len(new_token_ids))
             new_prompt_logprobs = None
             if prompt_logprobs:
                 chunk = prompt_logprobs.get(req_id)
@@ -412,7 +381,9 @@ class Scheduler:
 
             if finish_reason is not None:
                 request.set_status(
-                    _STOPPED if finish_reason == FinishReason.STOP else _LENGTH_CAPPED
+                    RequestStatus.FINISHED_STOPPED
+                    if finish_reason == FinishReason.STOP
+                    else RequestStatus.FINISHED_LENGTH_CAPPED
                 )
                 finished.append(request)
             elif not new_token_ids and new_prompt_logprobs is None:
@@ -430,15 +401,41 @@ class Scheduler:
             )
 
         if finished:
-            free = self.kv_cache_manager.free
             for request in finished:
-                free(request.request_id)
-                del requests[request.request_id]
+                self.kv_cache_manager.free(request.request_id)
+                del self.requests[request.request_id]
                 self.finished_req_ids.add(request.request_id)
             self.running = [r for r in self.running if r.status == _RUNNING]
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
         )
+
+    def _append_until_stop(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append sampled tokens up to the first that ends the request.
+
+        Returns the tokens kept (those after a stop are dropped) and the finish reason, if any.
+        """
+        output_ids = request.output_token_ids
+        all_ids = request.all_token_ids
+        eos_token_id = request.eos_token_id
+        for count, token in enumerate(new_token_ids, 1):
+            output_ids.append(token)
+            all_ids.append(token)
+            num_outputs = len(output_ids)
+            # The worker's sampler cannot pick EOS or a stop id before min_tokens outputs; the
+            # min_tokens test holds the rule for an executor that does not mask (as vLLM's
+            # check_stop does).
+            if (
+                token == eos_token_id or token in request.stop_token_ids
+            ) and num_outputs >= request.min_tokens:
+                if token != eos_token_id:
+                    request.stop_reason = token
+                return new_token_ids[:count], FinishReason.STOP
+            if num_outputs >= request.max_tokens or len(all_ids) >= self.max_num_tokens:
+                return new_token_ids[:count], FinishReason.LENGTH
+        return new_token_ids, None
 
     def _unseen_prompt_logprobs(self, request: Request, chunk: Logprobs) -> Logprobs | None:
         """Drop prompt-logprob rows already sent before a preemption made the worker redo them."""
@@ -475,3 +472,19 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
         )
+
+
+def _roll_back_rejected_drafts(
+    request: Request, drafts: list[int] | None, new_token_ids: list[int]
+) -> None:
+    """Uncount the KV of rejected draft tokens, so the next step recomputes from the first."""
+    if drafts:
+        request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
+
+
+def _slice_rows(logprobs: Logprobs, start: int, count: int) -> Logprobs:
+    """One request's ``count`` sampled-token rows of the step's logprobs, from ``start``."""
+    end = start + count
+    return Logprobs(
+        logprobs.token_ids[start:end], logprobs.logprobs[start:end], logprobs.ranks[start:end]
+    )

@@ -128,7 +128,7 @@ def run_engine_core(
             num_kv_blocks=executor.num_kv_blocks,
             block_size=executor.block_size,
             max_model_len=model_config.max_model_len,
-            max_num_kv_tokens=engine_core.scheduler.max_num_tokens,
+            max_num_kv_tokens=engine_core.max_num_tokens,
         )
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
         try:

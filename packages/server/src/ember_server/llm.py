@@ -33,7 +33,7 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.model_config,
-            max_num_kv_tokens=self.engine_core.scheduler.max_num_tokens,
+            max_num_kv_tokens=self.engine_core.max_num_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_model_name)

@@ -14,7 +14,7 @@ from ember_worker.model_runner import ModelRunner
 
 
 class InProcessExecutor:
-    """Implements ``ember_scheduler.outputs.Executor`` with one ``ModelRunner`` in this process.
+    """Implements ``ember_scheduler.Executor`` with one ``ModelRunner`` in this process.
 
     Loads the model, sizes the KV cache from ``kv_cache_memory`` bytes (required on the CPU; on
     a GPU, ``gpu_memory_utilization`` of the memory left free by the model when it is None) and
