@@ -13,3 +13,12 @@ def test_paged_numpy_store_example_runs():
     )
     assert "req-1: reused 12 of 16 prompt tokens" in result.stdout
     assert "prefix-cache hit rate: 56.2% (36 of 64 prompt tokens)" in result.stdout
+
+
+def test_tiered_numpy_store_example_shares_chunks_between_engines():
+    example = EXAMPLE.with_name("tiered_numpy_store.py")
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "engine A computed 300 of 300 tokens" in result.stdout
+    assert "engine B computed 44 of 300 tokens, loaded 4 chunks" in result.stdout

@@ -1,4 +1,5 @@
-"""Paged KV block pool, prefix cache and KV cache manager for LLM inference engines."""
+"""Paged KV block pool, prefix cache and KV cache manager for LLM inference engines, and a
+tiered (CPU, disk, Redis) store for KV chunks shared across engines."""
 
 from ember_kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from ember_kv_cache.block_pool import BlockPool
@@ -6,6 +7,9 @@ from ember_kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from ember_kv_cache.hashing import HASH_ALGOS, BlockHasher, BlockHashExtras, MultiModalItem
 from ember_kv_cache.manager import ComputedBlocks, KVCacheManager
 from ember_kv_cache.stats import PrefixCacheStats
+from ember_kv_cache.tier_entry import LayoutFingerprint
+from ember_kv_cache.tier_store import TieredKVStore, TierStats
+from ember_kv_cache.tiers import CPUTier, DiskTier, RedisTier, TierUnavailable, make_tier
 
 __version__ = "0.1.0"
 
@@ -17,11 +21,19 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CPUTier",
     "ComputedBlocks",
+    "DiskTier",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
+    "LayoutFingerprint",
     "MultiModalItem",
     "PrefixCacheStats",
+    "RedisTier",
+    "TierStats",
+    "TierUnavailable",
+    "TieredKVStore",
+    "make_tier",
 ]
