@@ -11,13 +11,14 @@ Run: python3 benchmarks/bench_tier_store.py
 
 from __future__ import annotations
 
+import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 
 import numpy as np
+from bench_prefix_lookup import best_seconds
 
 from ember_kv_cache import CPUTier, DiskTier, LayoutFingerprint, RedisTier, TieredKVStore
 
@@ -25,48 +26,36 @@ LAYERS, HEADS, HEAD_SIZE, CHUNK, NUM_CHUNKS = 16, 8, 64, 256, 8
 FP = LayoutFingerprint("bench", "float16", 16, LAYERS, HEADS, HEAD_SIZE, chunk_size=CHUNK)
 
 
-def _best(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def bench_tier(tier, chunks) -> tuple[float, float, float, float]:
     """GB/s (store, load) through the store, then (store, load) of raw bytes on the tier."""
     store = TieredKVStore([tier], FP)
     hashes = [i.to_bytes(32, "little") for i in range(len(chunks))]
     total = sum(c.nbytes for c in chunks) / 1e9
-    put = _best(lambda: [store.put(h, c) for h, c in zip(hashes, chunks)])
-    get = _best(lambda: [store.get(h) for h in hashes])
-    raw_put = _best(lambda: [tier.put(f"raw{i}", c.tobytes()) for i, c in enumerate(chunks)])
-    raw_get = _best(
-        lambda: [np.frombuffer(tier.get(f"raw{i}"), np.float16) for i in range(len(chunks))]
+    put = best_seconds(lambda: [store.put(h, c) for h, c in zip(hashes, chunks)], 3)
+    get = best_seconds(lambda: [store.get(h) for h in hashes], 3)
+    raw_put = best_seconds(
+        lambda: [tier.put(f"raw{i}", c.tobytes()) for i, c in enumerate(chunks)], 3
+    )
+    raw_get = best_seconds(
+        lambda: [np.frombuffer(tier.get(f"raw{i}"), np.float16) for i in range(len(chunks))], 3
     )
     return total / put, total / get, total / raw_put, total / raw_get
 
 
-def _redis_url(directory: str) -> tuple[subprocess.Popen, str] | None:
+def _start_redis(directory: str) -> tuple[subprocess.Popen, str] | None:
+    """A throwaway redis-server on a unix socket in ``directory`` (None if not installed)."""
     binary = shutil.which("redis-server")
     if binary is None:
         return None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    sock = os.path.join(directory, "redis.sock")
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--dir", directory],
+        [binary, "--port", "0", "--unixsocket", sock, "--save", "", "--dir", directory],
         stdout=subprocess.DEVNULL,
     )
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    return None
+    deadline = time.monotonic() + 10
+    while not os.path.exists(sock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process, f"unix://{sock}"
 
 
 def main() -> None:
@@ -79,7 +68,7 @@ def main() -> None:
           f"{'store ratio':>12} {'load ratio':>11}")  # fmt: skip
     with tempfile.TemporaryDirectory() as directory:
         tiers = [("cpu", lambda: CPUTier(1 << 31)), ("disk", lambda: DiskTier(directory, 1 << 31))]
-        server = _redis_url(directory)
+        server = _start_redis(directory)
         if server is not None:
             tiers.append(("redis", lambda: RedisTier(server[1])))
         try:
