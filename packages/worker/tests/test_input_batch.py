@@ -1,4 +1,5 @@
-"""InputBatch: row operations against a plain-Python model, input preparation, padding safety."""
+"""InputBatch and ModelInputBuffers: row operations against a plain-Python model, input
+preparation, padding safety."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
+from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
+from ember_worker.sampling_metadata import build_sampling_metadata
 
 BLOCK = 4
 VOCAB = 1000
@@ -37,6 +40,12 @@ def new_req(req_id, prompt, output=(), blocks=None, computed=0, eos=None, **para
 
 def make_batch(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=512):
     return InputBatch(max_num_reqs, max_model_len, max_num_batched_tokens, BLOCK, VOCAB)
+
+
+def prepare(batch: InputBatch, num_scheduled, drafts=None) -> ModelInputs:
+    """One step's inputs, as the model runner takes them: set the counts, then read them."""
+    batch.set_num_scheduled_tokens(num_scheduled, drafts)
+    return ModelInputBuffers(batch).prepare()
 
 
 def poison_padding(batch: InputBatch) -> None:
@@ -107,7 +116,7 @@ def test_add_then_prepare_inputs_matches_reference():
         batch.add_request(new_req(f"r{i}", prompt, blocks=blocks, computed=computed))
     poison_padding(batch)
     num_sched = np.array([len(p) - c for p, _, c in reqs], dtype=np.int32)
-    inputs = batch.prepare_inputs(num_sched)
+    inputs = prepare(batch, num_sched)
 
     ids, pos, slots, last = [], [], [], []
     for prompt, blocks, computed in reqs:
@@ -161,7 +170,7 @@ def test_prepare_inputs_matches_a_per_token_reference(rows, seed):
         expected["qsl"].append(expected["qsl"][-1] + scheduled)
         expected["last"].append(max(expected["qsl"][-1] - 1, 0))
     poison_padding(batch)
-    inputs = batch.prepare_inputs(np.array([r[2] for r in rows], dtype=np.int32))
+    inputs = prepare(batch, np.array([r[2] for r in rows], dtype=np.int32))
     assert inputs.input_ids.tolist() == expected["ids"]
     assert inputs.positions.tolist() == expected["pos"]
     assert inputs.slot_mapping.tolist() == expected["slots"]
@@ -185,7 +194,7 @@ def test_remove_leaves_hole_and_condense_moves_last_rows():
     del model["r1"], model["r3"]
     assert batch.req_ids == ["r0", None, "r2", None, "r4"]
     with pytest.raises(ValueError, match="condense"):
-        batch.prepare_inputs(np.ones(3, dtype=np.int32))
+        prepare(batch, np.ones(3, dtype=np.int32))
     batch.condense()
     assert batch.req_ids == ["r0", "r4", "r2"]
     check_against(batch, model)
@@ -207,7 +216,7 @@ def test_condense_after_removing_the_tail_only_shrinks():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_operations_match_a_plain_model(seed):
-    """Adds, removes, swaps, condenses, appends and step updates, rows of any length (empty
+    """Adds, removes, condenses, appends and step updates, rows of any length (empty
     after removal, full max_model_len, unequal), checked against a dict after every operation
     with all padding poisoned, so a read or copy past a valid prefix would show."""
     rng = random.Random(seed)
@@ -245,9 +254,6 @@ def test_random_operations_match_a_plain_model(seed):
             victim = rng.choice(sorted(model))
             batch.remove_request(victim)
             del model[victim]
-        elif op < 0.75 and batch.req_ids:
-            rows = len(batch.req_ids)
-            batch.swap_rows(rng.randrange(rows), rng.randrange(rows))
         elif op < 0.85:
             batch.condense()
             assert None not in batch.req_ids
@@ -263,7 +269,7 @@ def test_random_operations_match_a_plain_model(seed):
             )
             if num_sched.sum() == 0:
                 continue
-            inputs = batch.prepare_inputs(num_sched)
+            inputs = prepare(batch, num_sched)
             assert (inputs.input_ids < VOCAB).all() and (inputs.slot_mapping >= 0).all()
             sampled = np.array([rng.randrange(VOCAB) for _ in range(batch.num_reqs)])
             appended = batch.append_sampled_tokens(sampled)
@@ -286,9 +292,9 @@ def test_random_operations_match_a_plain_model(seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.sampled_from(["add", "remove", "swap", "decode"]), max_size=40), st.randoms())
+@given(st.lists(st.sampled_from(["add", "remove", "decode"]), max_size=40), st.randoms())
 def test_min_tokens_mask_follows_its_request_through_moves(ops, rng):
-    """Rows move (swap, condense after removal) and grow; the mask stays on each request's row
+    """Rows move (condense after removal) and grow; the mask stays on each request's row
     and ends when that request reaches min_tokens."""
     batch = make_batch(max_num_reqs=5, max_model_len=24)
     model, masks, next_id = {}, {}, 0
@@ -306,9 +312,6 @@ def test_min_tokens_mask_follows_its_request_through_moves(ops, rng):
             victim = rng.choice(sorted(model))
             batch.remove_request(victim)
             del model[victim]
-        elif op == "swap" and batch.req_ids:
-            rows = len(batch.req_ids)
-            batch.swap_rows(rng.randrange(rows), rng.randrange(rows))
         elif op == "decode" and model:
             batch.condense()
             # Requests not at max_model_len receive one token each (as after a decode step).
@@ -325,38 +328,18 @@ def test_min_tokens_mask_follows_its_request_through_moves(ops, rng):
         check_min_tokens_mask(batch, model, masks)
 
 
-def test_swap_with_full_length_rows_and_holes():
+def test_condense_moves_a_full_length_row_into_a_hole():
     max_len = 16
     batch = make_batch(max_num_reqs=4, max_model_len=max_len)
-    batch.add_request(new_req("full", list(range(max_len))))
-    batch.add_request(new_req("gone", [1]))
     batch.add_request(new_req("short", [7, 8, 9]))
+    batch.add_request(new_req("gone", [1]))
+    batch.add_request(new_req("full", list(range(max_len))))
     batch.remove_request("gone")
     model = {r: row_view(batch, r) for r in ("full", "short")}
     poison_padding(batch)
-    batch.swap_rows(0, 1)  # the full row into the hole
-    assert batch.req_ids == [None, "full", "short"]
-    batch.swap_rows(1, 2)
-    check_against(batch, model)
-    # Row 1 received only "short"'s 3 tokens; its stale tail was left as it was.
-    assert batch.token_ids_cpu[1, 3:].tolist() == list(range(3, max_len))
     batch.condense()
-    assert batch.req_ids == ["full", "short"]
+    assert batch.req_ids == ["short", "full"]
     check_against(batch, model)
-    with pytest.raises(ValueError, match="swap_rows"):
-        batch.swap_rows(0, 5)
-
-
-def test_swapping_a_hole_to_the_end_drops_it():
-    batch = make_batch()
-    for name in ("a", "gone", "b"):
-        batch.add_request(new_req(name, [1, 2]))
-    batch.remove_request("gone")
-    batch.swap_rows(1, 2)
-    assert batch.req_ids == ["a", "b"]
-    batch.condense()
-    assert batch.req_ids == ["a", "b"] and batch.req_id_to_index == {"a": 0, "b": 1}
-    assert batch.add_request(new_req("c", [3])) == 2
 
 
 def test_moves_copy_only_the_valid_prefix():
@@ -382,8 +365,8 @@ def test_padding_is_never_read():
     num_sched = np.array([7, 1], dtype=np.int32)
 
     def snapshot():
-        inputs = batch.prepare_inputs(num_sched)
-        meta = batch.sampling_metadata()
+        inputs = prepare(batch, num_sched)
+        meta = build_sampling_metadata(batch)
         valid_blocks = [inputs.block_table[i, : batch.num_blocks[i]].tolist() for i in range(2)]
         return (
             [t.clone() for t in (inputs.input_ids, inputs.positions, inputs.slot_mapping)],
@@ -406,7 +389,7 @@ def test_chunked_prefill_rows_get_no_sampled_token():
     batch.add_request(new_req("prefill", list(range(10))))
     batch.add_request(new_req("decode", [1, 2, 3], computed=2))
     batch.add_request(new_req("idle", [4, 5], computed=1))
-    batch.prepare_inputs(np.array([4, 1, 0], dtype=np.int32))
+    prepare(batch, np.array([4, 1, 0], dtype=np.int32))
     assert batch.append_sampled_tokens(np.array([11, 12, 13])) == [[], [12], []]
     assert batch.num_tokens[:3].tolist() == [10, 4, 2]
     assert batch.token_ids_cpu[1, :4].tolist() == [1, 2, 3, 12]
@@ -417,17 +400,15 @@ def test_spec_tokens_count_in_the_prefix_and_are_dropped_after_the_step():
     batch.add_request(new_req("x", [1, 2, 3], blocks=[0, 1]))
     batch.add_request(new_req("y", [4, 5], blocks=[2]))
     # Prefill; x samples 9 and then proposes drafts 7, 8.
-    batch.prepare_inputs(np.array([3, 2], dtype=np.int32))
+    prepare(batch, np.array([3, 2], dtype=np.int32))
     batch.append_sampled_tokens([[9], [6]])
     batch.set_num_computed_tokens("x", 3)
     batch.set_num_computed_tokens("y", 2)
-    inputs = batch.prepare_inputs(np.array([3, 1], dtype=np.int32), {"x": [7, 8]})
+    inputs = prepare(batch, np.array([3, 1], dtype=np.int32), {"x": [7, 8]})
     assert inputs.input_ids.tolist() == [9, 7, 8, 6]
     assert inputs.positions.tolist() == [3, 4, 5, 2]
     assert batch.num_tokens[0] == 6 and batch.num_tokens_no_spec[0] == 4
-    batch.swap_rows(0, 1)  # drafts travel with the row
-    assert batch.token_ids_cpu[1, :6].tolist() == [1, 2, 3, 9, 7, 8]
-    batch.swap_rows(0, 1)
+    assert batch.token_ids_cpu[0, :6].tolist() == [1, 2, 3, 9, 7, 8]
     assert batch.append_sampled_tokens([[7, 10], [11]]) == [[7, 10], [11]]
     assert batch.token_ids_cpu[0, :6].tolist() == [1, 2, 3, 9, 7, 10]
     assert batch.num_tokens[:2].tolist() == [6, 4]
@@ -444,9 +425,9 @@ def test_rejected_drafts_leave_the_row_as_it_was():
     batch.add_request(new_req("x", [1, 2, 3], blocks=[0]))  # one block: room for 4 tokens
     batch.set_num_computed_tokens("x", 2)
     with pytest.raises(ValueError, match="block_ids"):
-        batch.prepare_inputs(np.array([4], dtype=np.int32), {"x": [7, 8, 9]})
+        prepare(batch, np.array([4], dtype=np.int32), {"x": [7, 8, 9]})
     assert batch.num_tokens[0] == batch.num_tokens_no_spec[0] == 3
-    inputs = batch.prepare_inputs(np.array([2], dtype=np.int32), {"x": [7]})
+    inputs = prepare(batch, np.array([2], dtype=np.int32), {"x": [7]})
     assert inputs.input_ids.tolist() == [3, 7]
 
 
@@ -467,9 +448,9 @@ def test_bad_input_is_rejected_without_changing_state():
         with pytest.raises(ValueError, match=match):
             batch.add_request(req)
     with pytest.raises(ValueError, match="num_scheduled_tokens"):
-        batch.prepare_inputs(np.array([3], dtype=np.int32))
+        prepare(batch, np.array([3], dtype=np.int32))
     with pytest.raises(ValueError, match="shape"):
-        batch.prepare_inputs(np.array([1, 1], dtype=np.int32))
+        prepare(batch, np.array([1, 1], dtype=np.int32))
     with pytest.raises(ValueError, match="block_ids"):
         batch.append_block_ids("a", [1, 2])
     with pytest.raises(ValueError, match="not in the batch"):

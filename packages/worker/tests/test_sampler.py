@@ -10,6 +10,7 @@ from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
+from ember_worker.sampling_metadata import build_sampling_metadata
 
 VOCAB = 50
 
@@ -27,7 +28,7 @@ def batch_of(*params: SamplingParams, prompts=None, outputs=None, eos=None) -> I
 def test_greedy_takes_the_argmax():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
     batch = batch_of(*[SamplingParams(temperature=0.0)] * 3)
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.logprobs_rows == []
@@ -40,7 +41,7 @@ def test_logprobs_top_n_chosen_token_and_rank():
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.0, logprobs=0),
     )
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     assert out.logprobs_rows == [0, 2]
     reference = torch.log_softmax(logits.double(), -1)
     lp = out.logprobs
@@ -72,13 +73,15 @@ def test_metadata_leaves_out_unused_features_and_neutralizes_greedy_rows():
         SamplingParams(temperature=0.0, top_k=0, top_p=0.5),
         SamplingParams(temperature=0.8, top_k=3),
     )
-    meta = batch.sampling_metadata()
+    meta = build_sampling_metadata(batch)
     assert not meta.all_greedy and not meta.all_random
     # The greedy row would otherwise force ranking the whole vocabulary.
     assert meta.top_k.tolist() == [1, 3] and meta.top_k.dtype == torch.int32
     assert meta.top_p is None and meta.min_p is None and meta.no_penalties
     assert meta.has_seed is None and meta.max_num_logprobs is None
-    greedy_only = batch_of(SamplingParams(temperature=0.0, top_k=5, seed=1)).sampling_metadata()
+    greedy_only = build_sampling_metadata(
+        batch_of(SamplingParams(temperature=0.0, top_k=5, seed=1))
+    )
     assert greedy_only.all_greedy and greedy_only.top_k is None and greedy_only.has_seed is None
 
 
@@ -88,7 +91,7 @@ def test_logprobs_when_every_row_asked_follow_the_sampled_tokens():
         SamplingParams(temperature=1.0, seed=3, logprobs=1),
         SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=2.0),
     )
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     assert out.logprobs_rows == [0, 1]
     reference = torch.log_softmax(logits.double(), -1)  # raw logits, before penalties
     for row, token in enumerate(out.sampled_token_ids.tolist()):
@@ -117,7 +120,7 @@ def test_eos_and_stop_ids_are_masked_below_min_tokens_only():
         outputs=[[], [5, 6], [5, 6, 8], [], [], [1]],
         eos=EOS,
     )
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     masked = logits.clone()
     masked[[0, 1], EOS] = masked[[0, 1, 3], STOP] = masked[5, EOS] = float("-inf")
     expected = masked.argmax(-1)
@@ -139,17 +142,17 @@ def test_sampled_rows_below_min_tokens_never_draw_eos_or_stop_ids(top_k):
     params = SamplingParams(temperature=1.0, top_k=top_k, min_tokens=2, stop_token_ids=[STOP])
     batch = batch_of(*[params] * rows, eos=EOS)
     for _ in range(4):
-        sampled = Sampler()(logits, batch.sampling_metadata()).sampled_token_ids
+        sampled = Sampler()(logits, build_sampling_metadata(batch)).sampled_token_ids
         assert not bool(((sampled == EOS) | (sampled == STOP)).any())
     unmasked = batch_of(*[params.clone(min_tokens=0)] * rows, eos=EOS)
-    sampled = Sampler()(logits, unmasked.sampling_metadata()).sampled_token_ids
+    sampled = Sampler()(logits, build_sampling_metadata(unmasked)).sampled_token_ids
     assert bool(((sampled == EOS) | (sampled == STOP)).all())
 
 
 def test_no_min_tokens_mask_without_a_row_that_needs_it():
     no_ids = batch_of(SamplingParams(min_tokens=4), SamplingParams(min_tokens=4, ignore_eos=True))
-    assert no_ids.sampling_metadata().min_tokens_mask is None  # no EOS known, no stop ids
+    assert build_sampling_metadata(no_ids).min_tokens_mask is None  # no EOS known, no stop ids
     reached = batch_of(SamplingParams(min_tokens=1), outputs=[[4]], eos=EOS)
-    assert reached.sampling_metadata().min_tokens_mask is None
+    assert build_sampling_metadata(reached).min_tokens_mask is None
     past_vocab = batch_of(SamplingParams(min_tokens=2, stop_token_ids=[VOCAB + 5]))
-    assert past_vocab.sampling_metadata().min_tokens_mask is None
+    assert build_sampling_metadata(past_vocab).min_tokens_mask is None

@@ -10,6 +10,7 @@ from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
+from ember_worker.sampling_metadata import build_sampling_metadata
 from ember_worker.sampling_ops import (
     apply_min_p_,
     apply_penalties,
@@ -200,7 +201,7 @@ def test_penalties_through_the_batch_change_the_greedy_choice():
     prompts, outputs, params = zip(*specs)
     batch = batch_of(params, prompts=prompts, outputs=outputs)
     batch.token_ids_cpu[:, 3:] = 10  # padding full of the favourite must not count
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     assert out.sampled_token_ids.tolist() == [11, 11, 10]
 
 
@@ -211,7 +212,7 @@ def test_temperature_shapes_the_distribution():
     base = torch.tensor([2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4))
     for temperature in (0.5, 1.5):
         batch = batch_of([SamplingParams(temperature=temperature)] * rows)
-        out = Sampler()(base.expand(rows, VOCAB).clone(), batch.sampling_metadata())
+        out = Sampler()(base.expand(rows, VOCAB).clone(), build_sampling_metadata(batch))
         freq = np.bincount(out.sampled_token_ids.numpy(), minlength=VOCAB)[:4] / rows
         expected = (base[:4] / temperature).softmax(-1).numpy()
         np.testing.assert_allclose(freq, expected, atol=0.03)
@@ -227,7 +228,7 @@ def test_greedy_and_sampled_rows_mix():
             SamplingParams(temperature=0.9, min_p=1.0),
         ]
     )
-    meta = batch.sampling_metadata()
+    meta = build_sampling_metadata(batch)
     assert not meta.all_greedy and not meta.all_random
     out = Sampler()(logits, meta)
     # top_k=1 and min_p=1 both leave only the argmax.
@@ -237,7 +238,7 @@ def test_greedy_and_sampled_rows_mix():
 def test_sampler_rejects_mismatched_logits():
     batch = batch_of([SamplingParams()])
     with pytest.raises(ValueError, match="logits"):
-        Sampler()(torch.zeros(2, VOCAB), batch.sampling_metadata())
+        Sampler()(torch.zeros(2, VOCAB), build_sampling_metadata(batch))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -247,7 +248,7 @@ def test_masked_tokens_are_never_sampled(temperature):
     params = SamplingParams(temperature=temperature, top_k=4, top_p=0.8, min_p=0.05)
     batch = batch_of([params] * rows)
     logits = random_logits(1, 6).expand(rows, VOCAB).clone()
-    out = Sampler()(logits, batch.sampling_metadata())
+    out = Sampler()(logits, build_sampling_metadata(batch))
     values, ids = top_k_top_p_candidates(
         apply_min_p_(logits[:1] / (temperature or 1.0), torch.tensor([0.05])),
         torch.tensor([4]),
@@ -271,7 +272,7 @@ def test_rows_with_and_without_truncation_in_one_batch():
         SamplingParams(temperature=0.0),
     ]
     batch = batch_of([kinds[i % 4] for i in range(rows)], vocab)
-    out = Sampler()(base.expand(rows, vocab).clone(), batch.sampling_metadata())
+    out = Sampler()(base.expand(rows, vocab).clone(), build_sampling_metadata(batch))
     picks = out.sampled_token_ids.view(-1, 4)
     allowed_p = reference_top_k_top_p(base, 0, 0.5)
     allowed_k = set(base.topk(2).indices.tolist())
@@ -289,7 +290,7 @@ def test_frequency_and_presence_count_output_tokens_only():
     params = SamplingParams(temperature=0, frequency_penalty=0.2, presence_penalty=0.2)
     # A row with the token only in its prompt, and one with it twice in its output.
     batch = batch_of([params] * 2, prompts=[[10, 10, 10], [1]], outputs=[[], [10, 10]])
-    meta = batch.sampling_metadata()
+    meta = build_sampling_metadata(batch)
     assert meta.prompt_token_mask is None and meta.repetition_penalties is None
     assert meta.output_token_counts[:, 10].tolist() == [0.0, 2.0]
     # 3.0 - 0.2 * 2 - 0.2 = 2.4 < 2.5

@@ -4,23 +4,26 @@ Each request occupies one row. Token ids and block-table rows are 2-D buffers si
 ``max_num_reqs × max_model_len`` (and ``× max_blocks_per_req``); everything else about a row (its
 lengths and sampling parameters) lives in one structured array, so moving a row moves all of its
 side state in one numpy assignment. A row's buffers are valid only up to its own lengths
-(``num_tokens`` for tokens, ``num_blocks`` for block ids); moving or swapping rows copies exactly
-that prefix, and nothing reads past it.
+(``num_tokens`` for tokens, ``num_blocks`` for block ids); moving a row copies exactly that
+prefix, and nothing reads past it.
+
+Per step the model runner updates the rows from the scheduler's diff, condenses them, sets the
+scheduled counts, and reads them: ``model_inputs.ModelInputBuffers`` flattens the step's inputs
+and ``sampling_metadata.build_sampling_metadata`` gathers the sampling parameters, neither
+changing the batch. ``append_sampled_tokens`` then records the step's result.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ember_scheduler.outputs import NewRequestData
-from ember_worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
-# Everything a row holds besides its token ids and block ids. One record per row, so that a move
-# or swap of a row's side state is a single numpy assignment whatever the number of fields.
+# Everything a row holds besides its token ids and block ids. One record per row, so that moving
+# a row's side state is a single numpy assignment whatever the number of fields.
 ROW_STATE_DTYPE = np.dtype(
     [
         ("num_tokens", np.int32),  # tokens held, speculative draft tokens included
@@ -28,7 +31,7 @@ ROW_STATE_DTYPE = np.dtype(
         ("num_prompt_tokens", np.int32),
         ("num_computed_tokens", np.int32),  # tokens whose KV is in the cache
         ("num_blocks", np.int32),  # valid entries of the block-table row
-        ("num_scheduled_tokens", np.int32),  # of the last prepare_inputs call
+        ("num_scheduled_tokens", np.int32),  # this step's, from set_num_scheduled_tokens
         ("temperature", np.float32),
         ("top_p", np.float32),
         ("top_k", np.int32),  # 0: disabled
@@ -46,28 +49,6 @@ ROW_STATE_DTYPE = np.dtype(
 )
 
 
-@dataclass
-class ModelInputs:
-    """One step's flattened model inputs, as tensors over the scheduled tokens of every row.
-
-    ``query_start_loc[i]:query_start_loc[i+1]`` are row ``i``'s tokens; ``seq_lens[i]`` is its
-    context length after this step; ``block_table[i, :cdiv(seq_lens[i], block_size)]`` its valid
-    block ids (entries past that are stale and must not be read); ``logits_indices[i]`` the index
-    of its last scheduled token, whose logits are sampled.
-    """
-
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
-    seq_lens: torch.Tensor  # int32 [num_reqs]
-    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
-    logits_indices: torch.Tensor  # int64 [num_reqs]
-    max_query_len: int
-    max_seq_len: int
-    num_tokens: int
-
-
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -76,7 +57,8 @@ class InputBatch:
     """Persistent, preallocated state of the requests the worker is running (one row each).
 
     Rows are added at the lowest free row; ``remove_request`` leaves a hole that ``condense``
-    fills by moving rows down from the end. ``prepare_inputs`` requires a condensed batch.
+    fills by moving rows down from the end. A step's counts are set, and its inputs and sampling
+    metadata read, only on a condensed batch (rows ``0..num_reqs-1``).
     """
 
     def __init__(
@@ -104,15 +86,16 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.max_blocks_per_req = _cdiv(max_model_len, block_size)
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
 
-        def cpu_buffer(shape, dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
-        # Row storage. zeros() is lazily backed by the OS, so unused tails cost no memory.
+        # Row storage. zeros() is lazily backed by the OS, so unused tails cost no memory. The
+        # block table is a (pinned, off the CPU) tensor, as the model inputs pass it on as is.
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
-        self._block_table_cpu_t = cpu_buffer((max_num_reqs, self.max_blocks_per_req), torch.int32)
-        self.block_table_cpu = self._block_table_cpu_t.numpy()
+        self.block_table_cpu_tensor = torch.zeros(
+            (max_num_reqs, self.max_blocks_per_req),
+            dtype=torch.int32,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.block_table_cpu = self.block_table_cpu_tensor.numpy()
         self.rows = np.zeros(max_num_reqs, dtype=ROW_STATE_DTYPE)
         # The same memory as raw bytes: copying a byte row is the fastest whole-record move.
         self._row_bytes = self.rows.view(np.uint8).reshape(max_num_reqs, ROW_STATE_DTYPE.itemsize)
@@ -121,12 +104,7 @@ class InputBatch:
         self.num_prompt_tokens = self.rows["num_prompt_tokens"]
         self.num_computed_tokens = self.rows["num_computed_tokens"]
         self.num_blocks = self.rows["num_blocks"]
-        self._num_scheduled = self.rows["num_scheduled_tokens"]
-
-        # Scratch rows for swap_rows, so a swap allocates nothing.
-        self._swap_tokens = np.empty(max_model_len, dtype=np.int32)
-        self._swap_blocks = np.empty(self.max_blocks_per_req, dtype=np.int32)
-        self._swap_row = np.empty(ROW_STATE_DTYPE.itemsize, dtype=np.uint8)
+        self.num_scheduled_tokens = self.rows["num_scheduled_tokens"]
 
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
@@ -135,30 +113,9 @@ class InputBatch:
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
         # Token ids (EOS unless ignore_eos, stop_token_ids) masked while a request has fewer than
         # min_tokens outputs, keyed by request id so row moves need not touch it; a request
-        # leaves it once it reaches min_tokens. Empty in the common case, which then costs nothing.
+        # leaves it when appended tokens take it to min_tokens. Empty in the common case, which
+        # then costs nothing.
         self._min_tokens_stop_ids: dict[str, np.ndarray] = {}
-
-        # Step buffers for prepare_inputs.
-        max_tokens = max_num_batched_tokens
-        self._arange = np.arange(max(max_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self._input_ids_t = cpu_buffer(max_tokens, torch.int64)
-        self._positions_t = cpu_buffer(max_tokens, torch.int64)
-        self._slot_mapping_t = cpu_buffer(max_tokens, torch.int64)
-        self._query_start_loc_t = cpu_buffer(max_num_reqs + 1, torch.int32)
-        self._seq_lens_t = cpu_buffer(max_num_reqs, torch.int32)
-        self._logits_indices_t = cpu_buffer(max_num_reqs, torch.int64)
-        self._input_ids_np = self._input_ids_t.numpy()
-        self._positions_np = self._positions_t.numpy()
-        self._slot_mapping_np = self._slot_mapping_t.numpy()
-        self._query_start_loc_np = self._query_start_loc_t.numpy()
-        self._seq_lens_np = self._seq_lens_t.numpy()
-        self._logits_indices_np = self._logits_indices_t.numpy()
-        self._step_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        if self.device.type != "cpu":
-            self._device_buffers = [
-                torch.empty_like(buffer, device=self.device)
-                for buffer in self._make_step_views(max_num_reqs, max_tokens)
-            ]
 
     # ------------------------------------------------------------------ membership
 
@@ -306,42 +263,10 @@ class InputBatch:
         self._req_ids[src] = None
         self.req_id_to_index[req_id] = dst
 
-    def swap_rows(self, i: int, j: int) -> None:
-        """Exchange two rows (token and block prefixes, side state, ids)."""
-        if not (0 <= i < self._num_rows and 0 <= j < self._num_rows):
-            raise ValueError(f"swap_rows: rows {i} and {j} must be in [0, {self._num_rows})")
-        if i == j:
-            return
-        tokens, blocks, raw = self.token_ids_cpu, self.block_table_cpu, self._row_bytes
-        ni, nj = self.num_tokens[i], self.num_tokens[j]
-        tmp = self._swap_tokens[:ni]
-        tmp[...] = tokens[i, :ni]
-        tokens[i, :nj] = tokens[j, :nj]
-        tokens[j, :ni] = tmp
-        bi, bj = self.num_blocks[i], self.num_blocks[j]
-        tmp = self._swap_blocks[:bi]
-        tmp[...] = blocks[i, :bi]
-        blocks[i, :bj] = blocks[j, :bj]
-        blocks[j, :bi] = tmp
-        tmp = self._swap_row
-        tmp[...] = raw[i]
-        raw[i] = raw[j]
-        raw[j] = tmp
-        ids = self._req_ids
-        ids[i], ids[j] = ids[j], ids[i]
-        index = self.req_id_to_index
-        if ids[i] is not None:
-            index[ids[i]] = i
-        if ids[j] is not None:
-            index[ids[j]] = j
-        # A hole that moved must be found at its new row, and never be the last row.
-        if (ids[i] is None) != (ids[j] is None):
-            self._holes = [h for h in range(self._num_rows) if ids[h] is None]
-            self._trim_trailing_holes()
-
     # ------------------------------------------------------------------ per-step updates
 
-    def _check_condensed(self, caller: str) -> None:
+    def check_condensed(self, caller: str) -> None:
+        """Raise if rows ``0..num_reqs-1`` are not exactly the requests (a hole is left)."""
         if self._holes:
             raise ValueError(f"{caller} needs a condensed batch; call condense() first")
 
@@ -373,20 +298,19 @@ class InputBatch:
             )
         self.num_computed_tokens[row] = num_computed_tokens
 
-    # ------------------------------------------------------------------ step inputs
-
-    def prepare_inputs(
+    def set_num_scheduled_tokens(
         self,
         num_scheduled_tokens: np.ndarray,
         spec_decode_tokens: dict[str, list[int]] | None = None,
-    ) -> ModelInputs:
-        """Flatten this step's scheduled tokens of rows ``0..num_reqs-1`` into model inputs.
+    ) -> None:
+        """Take this step's token counts of rows ``0..num_reqs-1``, and the draft tokens in them.
 
-        ``num_scheduled_tokens[i]`` counts row ``i``'s tokens this step (its draft tokens
-        included); a row may be scheduled for 0 tokens, in which case its logits index is a
-        placeholder and ``append_sampled_tokens`` gives it nothing.
+        ``num_scheduled_tokens[i]`` counts row ``i``'s tokens this step, its drafts included; a
+        row may be scheduled for 0 tokens, and then ``append_sampled_tokens`` gives it nothing.
+        The drafts are held after each row's tokens until that call. Counts that a row's tokens
+        or blocks cannot hold are a ValueError that leaves no drafts behind.
         """
-        self._check_condensed("prepare_inputs")
+        self.check_condensed("set_num_scheduled_tokens")
         n = self.num_reqs
         num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
         if num_sched.shape != (n,) or n == 0:
@@ -394,77 +318,20 @@ class InputBatch:
                 f"num_scheduled_tokens must have shape ({n},) with n > 0, "
                 f"got {tuple(num_sched.shape)}"
             )
-        cu = num_sched.cumsum()
-        total = int(cu[-1])
+        total = int(num_sched.sum())
         self._drop_draft_tokens()
         if spec_decode_tokens:
             self._write_spec_tokens(spec_decode_tokens)
         computed = self.num_computed_tokens[:n].astype(np.int64)
-        seq_lens = computed + num_sched
         # One reduction for every check (tokens held, room in the blocks, non-negative counts);
         # the error path works out which one failed.
         capacity = np.minimum(self.num_tokens[:n], self.num_blocks[:n] * self.block_size)
-        slack = np.minimum(capacity - seq_lens, num_sched)
+        slack = np.minimum(capacity - computed - num_sched, num_sched)
         if total <= 0 or total > self.max_num_batched_tokens or slack.min() < 0:
             error = self._schedule_error(num_sched, computed, total)
             self._drop_draft_tokens()
             raise error
-        self._num_scheduled[:n] = num_sched
-
-        positions = self._positions_np[:total]
-        max_query_len = int(num_sched.max())
-        if max_query_len == 1 and total == n:  # every row decodes one token
-            req_indices = self._arange[:n]
-            positions[:] = computed
-        else:
-            # Row of each token, and its offset within the row's scheduled run.
-            req_indices = self._arange[:n].repeat(num_sched)
-            offsets = self._arange[:total] - (cu - num_sched).repeat(num_sched)
-            np.add(computed[req_indices], offsets, out=positions)
-
-        self._input_ids_np[:total] = self.token_ids_cpu[req_indices, positions]
-        block_numbers = self.block_table_cpu[req_indices, positions // self.block_size]
-        slot_mapping = self._slot_mapping_np[:total]
-        np.multiply(block_numbers, self.block_size, out=slot_mapping)
-        slot_mapping += positions % self.block_size
-
-        self._query_start_loc_np[1 : n + 1] = cu
-        self._seq_lens_np[:n] = seq_lens
-        np.maximum(cu - 1, 0, out=self._logits_indices_np[:n])
-        views = self._step_views.get((n, total))
-        if views is None:
-            views = self._step_views[(n, total)] = self._make_step_views(n, total)
-        if self.device.type != "cpu":
-            views = self._copy_to_device(views)
-        return ModelInputs(
-            *views,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            num_tokens=total,
-        )
-
-    def _make_step_views(self, n: int, total: int) -> tuple[torch.Tensor, ...]:
-        """Tensor views of the step buffers for ``n`` rows and ``total`` tokens, in
-        ``ModelInputs`` order; cached by size, as slicing tensors costs more than the math."""
-        if len(self._step_views) >= 1024:
-            self._step_views.clear()
-        return (
-            self._input_ids_t[:total],
-            self._positions_t[:total],
-            self._slot_mapping_t[:total],
-            self._query_start_loc_t[: n + 1],
-            self._seq_lens_t[:n],
-            self._block_table_cpu_t[:n],
-            self._logits_indices_t[:n],
-        )
-
-    def _copy_to_device(self, views: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        copies = []
-        for view, device_buffer in zip(views, self._device_buffers):
-            target = device_buffer[: view.shape[0]]
-            target.copy_(view, non_blocking=True)
-            copies.append(target)
-        return tuple(copies)
+        self.num_scheduled_tokens[:n] = num_sched
 
     def _schedule_error(
         self, num_sched: np.ndarray, computed: np.ndarray, total: int
@@ -516,29 +383,39 @@ class InputBatch:
         """Append each row's new tokens; returns what each row actually received.
 
         An array gives one token per row (shape ``[num_reqs]`` or ``[num_reqs, 1]``); rows whose
-        last step did not reach the end of their tokens (mid-prefill, or not scheduled) get none.
-        A list of lists gives each row its tokens as is (accepted drafts plus the bonus token).
-        Draft tokens written by ``prepare_inputs`` are dropped either way.
+        step did not reach the end of their tokens (mid-prefill, or not scheduled) get none. A
+        list of lists gives each row its tokens as is (accepted drafts plus the bonus token).
+        Either way the step's draft tokens are dropped, and requests that reached min_tokens
+        leave the min_tokens mask.
         """
-        n = self.num_reqs
         if isinstance(sampled, list):
-            if len(sampled) != n:
-                raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
-            ends = self.num_tokens_no_spec[:n] + np.array([len(t) for t in sampled], dtype=np.int64)
-            if n and ends.max() > self.max_model_len:
-                raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
-            for row, tokens in enumerate(sampled):
-                if tokens:
-                    self.token_ids_cpu[row, ends[row] - len(tokens) : ends[row]] = tokens
-            self.num_tokens_no_spec[:n] = ends
-            self.num_tokens[:n] = ends
-            self._drop_draft_tokens()
-            return [list(tokens) for tokens in sampled]
+            received = self._append_token_lists(sampled)
+        else:
+            received = self._append_one_token_per_row(sampled)
+        self._drop_draft_tokens()
+        self._drop_reached_min_tokens()
+        return received
 
+    def _append_token_lists(self, sampled: list[list[int]]) -> list[list[int]]:
+        n = self.num_reqs
+        if len(sampled) != n:
+            raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
+        ends = self.num_tokens_no_spec[:n] + np.array([len(t) for t in sampled], dtype=np.int64)
+        if n and ends.max() > self.max_model_len:
+            raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
+        for row, tokens in enumerate(sampled):
+            if tokens:
+                self.token_ids_cpu[row, ends[row] - len(tokens) : ends[row]] = tokens
+        self.num_tokens_no_spec[:n] = ends
+        self.num_tokens[:n] = ends
+        return [list(tokens) for tokens in sampled]
+
+    def _append_one_token_per_row(self, sampled: np.ndarray) -> list[list[int]]:
+        n = self.num_reqs
         tokens = np.asarray(sampled).reshape(-1)
         if tokens.shape != (n,):
             raise ValueError(f"sampled must have {n} rows, got shape {np.shape(sampled)}")
-        scheduled = self._num_scheduled[:n]
+        scheduled = self.num_scheduled_tokens[:n]
         held = self.num_tokens_no_spec[:n]
         reached_end = (self.num_computed_tokens[:n] + scheduled >= held) & (scheduled > 0)
         rows = np.flatnonzero(reached_end)
@@ -548,28 +425,29 @@ class InputBatch:
         self.token_ids_cpu[rows, ends] = tokens[rows]
         self.num_tokens_no_spec[rows] = ends + 1
         self.num_tokens[rows] = ends + 1
-        self._drop_draft_tokens()
         return [[t] if ok else [] for t, ok in zip(tokens.tolist(), reached_end.tolist())]
+
+    def _drop_reached_min_tokens(self) -> None:
+        """Forget the stop ids of requests whose outputs reached min_tokens (outputs only grow,
+        so they never come back)."""
+        pending = self._min_tokens_stop_ids
+        if not pending:
+            return
+        req_ids = list(pending)
+        state = self.rows[[self.req_id_to_index[r] for r in req_ids]]
+        below = state["num_tokens_no_spec"] - state["num_prompt_tokens"] < state["min_tokens"]
+        if not below.all():
+            self._min_tokens_stop_ids = {
+                r: pending[r] for r, keep in zip(req_ids, below.tolist()) if keep
+            }
 
     def min_tokens_stop_mask(self) -> tuple[np.ndarray, np.ndarray] | None:
         """``(rows, token_ids)`` to mask in this step's logits: EOS (unless ignore_eos) and the
         stop_token_ids of every row with fewer than ``min_tokens`` outputs, as int64 index
-        arrays; None when no row has any. Needs a condensed batch."""
+        arrays; None when no row has any. Reads the batch only."""
         pending = self._min_tokens_stop_ids
         if not pending:
             return None
-        state = self.rows[: self.num_reqs]
-        num_outputs = state["num_tokens_no_spec"] - state["num_prompt_tokens"]
-        rows = np.flatnonzero(num_outputs < state["min_tokens"])
-        req_ids = [self._req_ids[row] for row in rows.tolist()]
-        if len(req_ids) < len(pending):  # some reached min_tokens: outputs only grow, drop them
-            self._min_tokens_stop_ids = pending = {r: pending[r] for r in req_ids}
-        if not req_ids:
-            return None
-        stop_ids = [pending[r] for r in req_ids]
+        rows = np.array([self.req_id_to_index[r] for r in pending], dtype=np.int64)
+        stop_ids = list(pending.values())
         return np.repeat(rows, [len(ids) for ids in stop_ids]), np.concatenate(stop_ids)
-
-    def sampling_metadata(self) -> SamplingMetadata:
-        """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, as tensors."""
-        self._check_condensed("sampling_metadata")
-        return build_sampling_metadata(self, self.device)

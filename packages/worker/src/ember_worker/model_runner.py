@@ -14,11 +14,13 @@ import numpy as np
 import torch
 
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from ember_worker.input_batch import InputBatch, ModelInputs
+from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
+from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.sampler import Sampler, SamplerOutput
+from ember_worker.sampling_metadata import build_sampling_metadata
 
 
 class ModelRunner:
@@ -44,6 +46,7 @@ class ModelRunner:
             vocab_size=loaded.config.vocab_size,
             device=device,
         )
+        self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
         self.kv_cache_spec = KVCacheSpec(
             num_layers=loaded.config.num_hidden_layers,
@@ -75,12 +78,13 @@ class ModelRunner:
         index = batch.req_id_to_index
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             num_scheduled[index[req_id]] = count
-        inputs = batch.prepare_inputs(num_scheduled)
+        batch.set_num_scheduled_tokens(num_scheduled)
+        inputs = self.input_buffers.prepare()
         hidden_states = self.model(inputs.input_ids, inputs.positions, _attention_metadata(inputs))
 
         prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        sampler_output = self.sampler(logits, batch.sampling_metadata())
+        sampler_output = self.sampler(logits, build_sampling_metadata(batch))
         sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
         return ModelRunnerOutput(
             req_ids=req_ids,

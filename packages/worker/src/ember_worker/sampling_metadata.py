@@ -1,15 +1,17 @@
-"""Per-row sampling inputs of one step, gathered from the persistent batch as tensors."""
+"""Per-row sampling inputs of one step, gathered from the persistent batch as tensors.
+
+``build_sampling_metadata`` only reads the batch: what a row's state says (its parameters, its
+tokens, whether it is still below min_tokens) is what the sampler gets.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from ember_worker.input_batch import InputBatch
+from ember_worker.input_batch import InputBatch
 
 GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy, as SamplingParams.greedy says
 
@@ -47,7 +49,10 @@ class SamplingMetadata:
         return self.output_token_counts is None
 
 
-def build_sampling_metadata(batch: InputBatch, device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(batch: InputBatch) -> SamplingMetadata:
+    """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, on the batch's device."""
+    batch.check_condensed("build_sampling_metadata")
+    device = batch.device
     n = batch.num_reqs
     state = batch.rows[:n]
 
