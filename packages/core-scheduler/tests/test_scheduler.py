@@ -267,6 +267,28 @@ def test_duplicate_request_ids_are_rejected_without_harm():
     assert results["a"].token_ids == reference_output([1, 2], SamplingParams(max_tokens=2), 256)[0]
 
 
+def test_a_request_that_cannot_be_admitted_fails_alone_and_the_engine_goes_on():
+    engine, _ = _engine()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request(make_request("ok", [1, 2, 3], params))
+    results: dict = {}
+    collect(engine.step(), results)  # "ok" is running
+    bad_requests = [
+        (EngineCoreRequest("none-id", [1, None], params), "TypeError"),  # not a ValueError
+        (EngineCoreRequest("n2", [1], SamplingParams(n=2)), "n must be 1"),
+        (EngineCoreRequest("neg", [-1], params), "non-negative"),
+        (EngineCoreRequest("ok", [4], params), "already"),
+    ]
+    for request, words in bad_requests:
+        with pytest.raises(ValueError, match=words):
+            engine.add_request(request)
+    while engine.has_unfinished_requests():
+        collect(engine.step(), results)
+    assert set(results) == {"ok"}
+    assert results["ok"].token_ids == reference_output([1, 2, 3], params, 256)[0]
+    _assert_all_free(engine)
+
+
 def _prompt_reaching_eos_after(min_steps):
     """A two-token prompt after which the fake model emits EOS as its output number > min_steps."""
     for a in range(1, 97):

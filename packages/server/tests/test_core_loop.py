@@ -111,16 +111,32 @@ def test_a_rejected_request_is_answered_not_fatal(wire):
     assert len(tokens["after"]) == 2 and thread.is_alive()
 
 
-def test_a_request_that_does_not_decode_is_answered_not_fatal(wire):
+def _with_sampling_fields(request: EngineCoreRequest, **fields) -> dict:
+    """``request`` re-encoded with raw SamplingParams values that its constructor would refuse
+    (as a client other than Ember's front end could send)."""
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(request))
+    names = [f.name for f in msgspec.structs.fields(SamplingParams)]
+    for name, value in fields.items():
+        raw[2][names.index(name)] = value
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"top_k": 1.5}, "Expected `int`"),  # does not decode
+        ({"max_tokens": None, "min_tokens": 2**40}, "min_tokens must be in [0, 2147483647]"),
+    ],
+)
+def test_a_request_that_cannot_be_admitted_fails_alone(wire, fields, words):
     send, receive, thread, _ = wire
-    send(msg.ADD, _request("float-top-k", 5, top_k=1.5))  # SamplingParams checks no types
-    rejected = None
-    while rejected is None:
-        rejected = next((o for o in receive().outputs if o.request_id == "float-top-k"), None)
-    assert rejected.finish_reason == FinishReason.ABORT and "int" in rejected.finish_detail
-    send(msg.ADD, _request("after", 2))
-    tokens, _, _ = _run_until_finished(receive, ["after"])
-    assert len(tokens["after"]) == 2 and thread.is_alive()
+    send(msg.ADD, _request("running", 12))
+    send(msg.ADD, _with_sampling_fields(_request("bad", 5), **fields))
+    tokens, finish, _ = _run_until_finished(receive, ["running", "bad"])
+    assert finish["bad"].finish_reason == FinishReason.ABORT and not tokens["bad"]
+    assert words in finish["bad"].finish_detail
+    assert len(tokens["running"]) == 12  # the request in flight went on
+    assert finish["running"].finish_reason == FinishReason.LENGTH and thread.is_alive()
 
 
 def test_shutdown_ends_the_loop(wire):

@@ -160,9 +160,16 @@ def test_bad_input_fails_at_the_call_while_others_run(loop, engine, offline):
             engine.generate("a " * 400, params, "too-long")
         with pytest.raises(ValueError, match="prompt_token_ids"):
             engine.generate([1, 10**6], params, "bad-ids")
-        # A float where the engine core's decoder wants an int would end the engine process.
-        with pytest.raises(ValueError, match="top_k"):
-            engine.generate("x", params.clone(top_k=1.5), "bad-type")
+        # Values changed after SamplingParams was built are checked again at the call: a float
+        # where the engine wants an int, a count beyond the engine's int32 columns.
+        for name, value, words in (
+            ("top_k", 1.5, "top_k must be an int"),
+            ("min_tokens", 2**40, r"min_tokens must be in \[0, 2147483647\]"),
+        ):
+            bad = params.clone(max_tokens=None)
+            setattr(bad, name, value)
+            with pytest.raises(ValueError, match=rf"SamplingParams\.{words}"):
+                engine.generate("x", bad, "bad-value")
         with pytest.raises(ValueError, match="already in flight"):
             engine.generate("x", params, "good")
         outputs += [out async for out in good]

@@ -158,3 +158,37 @@ def test_priority_needs_the_priority_policy(inputs):
     with pytest.raises(ValueError, match="scheduling_policy"):
         inputs.make_requests("r", [1, 2], SamplingParams(), priority=3)
     assert inputs.make_requests("r", [1, 2], SamplingParams(), priority=0)
+
+
+@pytest.mark.parametrize(
+    ("seed", "children"),
+    [(2**63 - 1, [2**63 - 1, -(2**63), -(2**63) + 1]), (-1, [-1, 0, 1]), (None, [None] * 3)],
+)
+def test_child_seeds_wrap_within_int64_so_every_valid_seed_is_served(inputs, seed, children):
+    requests = inputs.make_requests("r", [1, 2], SamplingParams(n=3, seed=seed))
+    assert [r.sampling_params.seed for r in requests] == children
+
+
+def test_output_room_is_the_one_length_limit(inputs):
+    # max_model_len 64, KV capacity 40 tokens: the smaller one binds.
+    assert inputs.output_room(1) == 39 and inputs.output_room(39) == 1
+    with pytest.raises(ValueError, match="KV cache holds 40 tokens"):
+        inputs.output_room(40)
+    inputs.max_num_kv_tokens = None
+    assert inputs.output_room(40) == 24
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        inputs.output_room(64)
+
+
+@pytest.mark.parametrize("reason", [FinishReason.IGNORED, FinishReason.ABORT])
+def test_a_request_the_engine_refuses_fails_alone(tokenizer, inputs, reason):
+    processor = OutputProcessor(tokenizer)
+    _add(processor, inputs, "bad", SamplingParams(n=2), RequestOutputKind.DELTA)
+    _add(processor, inputs, "good", SamplingParams(), RequestOutputKind.DELTA)
+    refused = EngineCoreOutput("1_bad", [], finish_reason=reason, finish_detail="cannot admit")
+    done = EngineCoreOutput("good", [5], finish_reason=FinishReason.LENGTH)
+    processed = processor.process_outputs([refused, done])
+    assert processed.request_errors == {"bad": "cannot admit"}
+    assert processed.reqs_to_abort == ["0_bad"]  # its sibling stops too
+    assert [o.request_id for o in processed.request_outputs] == ["good"]
+    assert not processor.has_unfinished_requests()

@@ -117,12 +117,18 @@ def test_prompt_of_wrong_shape_is_rejected():
         {"best_of": 3},
         {"logit_bias": {"5": 1.0}},
         {"suffix": "!"},
-        {"logprobs": 21},
         {"echo": True, "logprobs": 1},
     ],
 )
 def test_unsupported_or_inconsistent_completion_fields(extra):
     assert _errors(CompletionRequest, {"prompt": "x", **extra})
+
+
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("min_tokens", 2**40)])
+def test_sampling_ranges_are_checked_once_by_sampling_params(field, value):
+    request = CompletionRequest.model_validate({"prompt": "x", field: value})
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be in"):
+        request.to_sampling_params(max_tokens=None)
 
 
 def test_unknown_fields_are_ignored_and_listed():

@@ -155,10 +155,14 @@ def test_stop_string_ends_generation_and_frees_blocks(llm):
         ("hi", {"top_k": 1.5}, "top_k"),
         ("hi", {"stop_token_ids": [1.0]}, "stop_token_ids"),
         ("hi", {"top_k": 2**63}, "top_k"),
+        ("hi", {"max_tokens": None, "min_tokens": 2**40}, "SamplingParams.min_tokens"),
+        ("hi", {"temperature": "0.5"}, "SamplingParams.temperature must be a float"),
     ],
 )
 def test_bad_input_raises_before_anything_runs(llm, prompt, kwargs, field):
-    params = SamplingParams(max_tokens=2, **kwargs)
+    params = SamplingParams(max_tokens=2)
+    for name, value in kwargs.items():  # changed after construction: generate checks again
+        setattr(params, name, value)
     with pytest.raises(ValueError, match=field):
         llm.generate(["fine prompt", prompt], params, use_tqdm=False)
     assert not llm.engine_core.has_unfinished_requests()

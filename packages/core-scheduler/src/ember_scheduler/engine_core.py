@@ -57,10 +57,22 @@ class EngineCore:
         return self.scheduler.max_num_tokens
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
-        """Queue a request (ValueError on a duplicate id or bad input; nothing changes then)."""
-        if isinstance(request, EngineCoreRequest):
-            request = Request.from_engine_core_request(request)
-        self.scheduler.add_request(request)
+        """Queue a request.
+
+        Any failure to admit it (a duplicate id, bad input, or an unexpected error) is that
+        request's alone: ValueError naming the cause, and nothing in the engine changed.
+        """
+        try:
+            if isinstance(request, EngineCoreRequest):
+                request = Request.from_engine_core_request(request)
+            self.scheduler.add_request(request)
+        except ValueError:
+            raise
+        except Exception as exc:
+            request_id = getattr(request, "request_id", None)
+            raise ValueError(
+                f"request {request_id!r} cannot be admitted: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests as aborted and free their KV blocks now; unknown ids are skipped."""

@@ -1,14 +1,32 @@
-"""Sampling parameters, with the OpenAI API's and vLLM's field names."""
+"""Sampling parameters, with the OpenAI API's and vLLM's field names, and the limits they obey."""
 
 from __future__ import annotations
 
 import msgspec
 
-_MAX_LOGPROBS = 20
+# Integers cross the wire as msgpack int64; the worker holds per-request counts (min_tokens,
+# top_k, logprobs) and token ids in int32 columns.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily
+
+# Each integer field's type and inclusive range (None in the type: the field may be None).
+_INT_FIELDS = {
+    "n": (False, 1, INT32_MAX),
+    "max_tokens": (True, 1, INT32_MAX),
+    "min_tokens": (False, 0, INT32_MAX),
+    "top_k": (False, -1, INT32_MAX),
+    "seed": (True, INT64_MIN, INT64_MAX),
+    "logprobs": (True, 0, MAX_LOGPROBS),
+    "prompt_logprobs": (True, 0, MAX_LOGPROBS),
+}
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
-    """How to sample one request's outputs; validated on construction (ValueError names the field).
+    """How to sample one request's outputs; validated on construction, on ``clone`` and when
+    decoded (ValueError naming the field, its expected type or range, and the value).
 
     ``stop`` strings are matched by the front end on detokenized text; every other stop condition
     is checked by the scheduler on token ids.
@@ -34,24 +52,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, "n", self.n, "must be at least 1")
-        _check(
-            self.seed is None or -(2**63) <= self.seed < 2**63,
-            "seed",
-            self.seed,
-            "must fit in a signed 64-bit integer",
-        )
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "must be at least 1",
-        )
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be at least 0")
+        for name, (_, low, high) in _INT_FIELDS.items():
+            value = getattr(self, name)
+            _check(
+                value is None or low <= value <= high, name, value, f"must be in [{low}, {high}]"
+            )
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -62,7 +72,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "must be in [0, 100]"
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "must be -1, 0 (disabled) or positive")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -73,33 +82,52 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             self.repetition_penalty,
             "must be in (0, 10]",
         )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(
-                value is None or 0 <= value <= _MAX_LOGPROBS,
-                name,
-                value,
-                f"must be in [0, {_MAX_LOGPROBS}]",
-            )
+        _check(all(self.stop), "stop", self.stop, "must be non-empty strings")
         _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop",
-            self.stop,
-            "must be non-empty strings",
-        )
-        _check(
-            all(t >= 0 for t in self.stop_token_ids),
+            all(0 <= t <= INT32_MAX for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
-            "must be non-negative token ids",
+            f"must be token ids in [0, {INT32_MAX}]",
         )
+
+    def _check_types(self) -> None:
+        """Each field holds its declared type (ints are not bools; an int passes as a float)."""
+        for name, (optional, _, _) in _INT_FIELDS.items():
+            value = getattr(self, name)
+            if not (_is_int(value) or (optional and value is None)):
+                _type_error(name, "an int or None" if optional else "an int", value)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)):
+                _type_error(name, "a float", value)
+            setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _type_error(name, "a bool", getattr(self, name))
+        if not isinstance(self.stop, str) and not (
+            isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop)
+        ):
+            _type_error("stop", "a string or a list of strings", self.stop)
+        if not (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))):
+            _type_error("stop_token_ids", "a list of ints", self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_error(field: str, expected: str, value) -> None:
+    raise ValueError(
+        f"SamplingParams.{field} must be {expected}, got {type(value).__name__} {value!r}"
+    )
 
 
 def _check(ok: bool, field: str, value, rule: str) -> None:

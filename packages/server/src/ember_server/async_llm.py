@@ -198,6 +198,12 @@ class AsyncLLM:
                 queue = self._queues.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
+            for request_id, reason in processed.request_errors.items():
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(
+                        ValueError(f"the engine refused request {request_id!r}: {reason}")
+                    )
             if processed.reqs_to_abort:
                 with contextlib.suppress(EngineDeadError):
                     await client.abort_requests(processed.reqs_to_abort)

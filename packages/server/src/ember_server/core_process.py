@@ -75,12 +75,13 @@ class EngineCoreProc:
         return handled
 
     def _add(self, buffer: memoryview) -> None:
-        """Queue a request; one that fails to decode or to queue is answered, not fatal."""
+        """Queue a request; any failure to decode or admit it is that request's error, answered
+        as its ABORT with the reason; the engine and every other request go on."""
         try:
             request = self._request_decoder.decode(buffer)
             self.engine_core.add_request(request)
-        except ValueError as exc:  # msgspec.ValidationError is one too
-            self._reject(_request_id(buffer), str(exc))
+        except Exception as exc:
+            self._reject(_request_id(buffer), f"{type(exc).__name__}: {exc}")
 
     def _reject(self, request_id: str, reason: str) -> None:
         output = EngineCoreOutput(

@@ -8,46 +8,28 @@ reuse its KV blocks instead of recomputing the prompt.
 
 from __future__ import annotations
 
-import functools
-import operator
 import time
-import typing
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreRequest
-from ember_scheduler.sampling_params import SamplingParams
+from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from ember_server.model_config import ModelConfig
 
 PromptType = str | Sequence[int]
 
-# Integers travel to the engine core as msgpack int64, and its tensors hold them as int64.
-_Int64 = typing.Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-
-
-def _with_int64(field_type):
-    """``field_type`` with every ``int`` in it bounded to int64."""
-    if field_type is int:
-        return _Int64
-    args = typing.get_args(field_type)
-    if typing.get_origin(field_type) is list:
-        return list[_with_int64(args[0])]
-    if args:
-        return functools.reduce(operator.or_, map(_with_int64, args))
-    return field_type
-
-
-# SamplingParams does not check types on construction; the engine core's msgpack decoder does,
-# and a request it cannot decode (or an int beyond 64 bits) would end the engine core process.
-_SAMPLING_PARAMS_FIELDS = [
-    (f.name, _with_int64(f.type)) for f in msgspec.structs.fields(SamplingParams)
-]
-
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Child ``index``'s seed: ``seed + index``, wrapped around within int64 so that every valid
+    seed gives valid, distinct children."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 class InputProcessor:
@@ -59,6 +41,31 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_num_kv_tokens = max_num_kv_tokens  # the longest sequence the KV cache holds
+
+    def output_room(self, num_prompt_tokens: int) -> int:
+        """How many tokens a prompt this long leaves for output: the one owner of the sequence
+        length limit (``max_model_len``, or the KV cache's capacity where that is smaller).
+
+        ValueError when it leaves none; the engine core's own check (a prompt finishing as
+        IGNORED) then never fires for requests from this front end.
+        """
+        max_model_len = self.model_config.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, leaving no room for the completion. "
+                "Please reduce the length of the prompt."
+            )
+        max_num_kv_tokens = self.max_num_kv_tokens
+        if max_num_kv_tokens is not None and num_prompt_tokens >= max_num_kv_tokens:
+            raise ValueError(
+                f"The KV cache holds {max_num_kv_tokens} tokens in all. However, your prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for the completion. Please reduce "
+                "the length of the prompt, or raise kv_cache_memory."
+            )
+        if max_num_kv_tokens is not None:
+            max_model_len = min(max_model_len, max_num_kv_tokens)
+        return max_model_len - num_prompt_tokens
 
     def tokenize(
         self, prompt: PromptType, add_special_tokens: bool = True
@@ -90,6 +97,13 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """The engine core requests for one prompt: one, or ``n`` children sharing the prompt."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        # A copy checks every field again (types and ranges): a SamplingParams may have been
+        # changed since it was built.
+        params = params.clone()
         self._check(request_id, prompt_token_ids, params, priority)
         config = self.model_config
         engine_params = params.clone(n=1)
@@ -103,8 +117,9 @@ class InputProcessor:
             if index > 0:
                 # Each child samples differently; only the first computes prompt logprobs (a
                 # request asking for them cannot use the prefix cache).
-                seed = None if params.seed is None else params.seed + index
-                child_params = engine_params.clone(seed=seed, prompt_logprobs=None)
+                child_params = engine_params.clone(
+                    seed=child_seed(params.seed, index), prompt_logprobs=None
+                )
             requests.append(
                 EngineCoreRequest(
                     request_id=child_request_id(request_id, index, params.n),
@@ -122,36 +137,20 @@ class InputProcessor:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
+        if not (
+            isinstance(priority, int)
+            and not isinstance(priority, bool)
+            and INT64_MIN <= priority <= INT64_MAX
+        ):
             raise ValueError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+                f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}"
             )
-        for name, field_type in _SAMPLING_PARAMS_FIELDS:
-            try:
-                msgspec.convert(getattr(params, name), field_type)
-            except msgspec.ValidationError as exc:
-                raise ValueError(f"SamplingParams.{name}: {exc}") from None
-        try:
-            msgspec.convert(priority, _Int64)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"priority: {exc}") from None
         if priority != 0 and self.model_config.scheduling_policy != "priority":
             raise ValueError(
                 f"priority {priority} needs the priority scheduling policy "
                 "(EngineArgs.scheduling_policy='priority', --scheduling-policy priority)"
             )
-        max_model_len = self.model_config.max_model_len
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= max_model_len:
-            raise ValueError(
-                f"prompt is {num_prompt} tokens, which leaves no room for output in this model's "
-                f"maximum context length of {max_model_len} tokens"
-            )
-        if self.max_num_kv_tokens is not None and num_prompt >= self.max_num_kv_tokens:
-            raise ValueError(
-                f"prompt is {num_prompt} tokens, which leaves no room for output in the KV cache "
-                f"({self.max_num_kv_tokens} tokens in all); raise kv_cache_memory"
-            )
+        self.output_room(len(prompt_token_ids))
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be below the vocab size {vocab}")

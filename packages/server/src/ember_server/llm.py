@@ -129,6 +129,9 @@ class LLM:
                 outputs = self.engine_core.step()
                 stats = IterationStats()
                 processed = self.output_processor.process_outputs(outputs.outputs, stats)
+                if processed.request_errors:  # the batch fails; its other requests are aborted
+                    request_id, reason = next(iter(processed.request_errors.items()))
+                    raise ValueError(f"the engine refused prompt {order[request_id]}: {reason}")
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 if outputs.scheduler_stats is not None:

@@ -105,7 +105,10 @@ class RequestState:
 @dataclasses.dataclass
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput]
-    reqs_to_abort: list[str]  # engine request ids ended by a stop string
+    reqs_to_abort: list[str]  # engine request ids ended by a stop string, or by a refused sibling
+    # Requests the engine core refused (IGNORED, or ABORT when it could not admit one), by
+    # request id: each fails with the reason, and its other sequences are aborted.
+    request_errors: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -173,16 +176,19 @@ class OutputProcessor:
         now = time.monotonic()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        request_errors: dict[str, str] = {}
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:  # aborted by the front end meanwhile
                 continue
             parent = state.parent
+            if out.finish_detail is not None:  # refused by the engine core
+                engine_ids, _ = self.abort_requests([parent.request_id])
+                reqs_to_abort.extend(i for i in engine_ids if i != out.request_id)
+                request_errors[parent.request_id] = out.finish_detail
+                continue
             new_ids = out.new_token_ids
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if finish_reason == FinishReason.IGNORED:
-                # The input checks should make this unreachable; never leave a caller waiting.
-                finish_reason, stop_reason = FinishReason.LENGTH, out.finish_detail
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None and state.prompt_logprob_rows is not None:
                 state.prompt_logprob_rows.extend(out.new_prompt_logprobs)
@@ -220,7 +226,7 @@ class OutputProcessor:
                 del self._children[parent.request_id]
             if request_output is not None:
                 request_outputs.append(request_output)
-        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort, request_errors)
 
     def _completion_output(
         self,

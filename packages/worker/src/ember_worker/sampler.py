@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ember_scheduler.outputs import Logprobs
-from ember_worker.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from ember_scheduler.sampling_params import GREEDY_TEMPERATURE
+from ember_worker.sampling_metadata import SamplingMetadata
 from ember_worker.sampling_ops import (
     apply_min_p_,
     apply_min_tokens_mask,

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ember_scheduler.sampling_params import GREEDY_TEMPERATURE
 from ember_worker.input_batch import InputBatch
-
-GREEDY_TEMPERATURE = 1e-5  # below this a row is greedy, as SamplingParams.greedy says
 
 
 @dataclass

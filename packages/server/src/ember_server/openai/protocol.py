@@ -15,12 +15,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ember_scheduler.sampling_params import SamplingParams
+from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on choices per request
 # Integers travel to the engine core as msgpack int64: larger ones are a 400, not a crash.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -129,8 +128,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported")
         return self
@@ -197,8 +194,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         return self

@@ -66,25 +66,21 @@ class OpenAIServing:
             )
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
-        """The output budget; 400 when the prompt, or prompt plus ``requested``, exceeds the context.
+        """The output budget; 400 when the prompt, or prompt plus ``requested``, exceeds the room
+        the engine's input processor (the owner of the length limit) leaves.
 
         Without ``requested``, ``default`` (or else all the room left) is used, capped by the room.
         """
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {prompt_len} tokens, leaving no room for the completion. "
-                "Please reduce the length of the prompt.",
-                400,
-                "prompt",
-            )
+        try:
+            room = self.engine.input_processor.output_room(prompt_len)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "prompt") from exc
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
             raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"This model's maximum context length is {prompt_len + room} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                 f"{requested} in the completion). Please reduce the length of the prompt or "
                 "max_tokens.",
                 400,
@@ -142,6 +138,8 @@ class OpenAIServing:
         """The error to report when generation failed for a reason other than bad input."""
         if isinstance(exc, OpenAIError):
             return exc
+        if isinstance(exc, ValueError):  # the engine core refused the request (bad input)
+            return from_value_error(exc)
         if self.engine.errored:
             return OpenAIError(f"The engine failed while serving this request: {exc}", 503)
         logger.exception("generation failed", exc_info=exc)
