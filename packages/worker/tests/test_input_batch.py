@@ -416,7 +416,7 @@ def test_spec_tokens_count_in_the_prefix_and_are_dropped_after_the_step():
 
 def test_a_top_k_beyond_the_vocabulary_is_stored_as_the_vocabulary():
     batch = make_batch()
-    batch.add_request(new_req("a", [1], top_k=10**12))
+    batch.add_request(new_req("a", [1], top_k=2**31 - 1))  # the largest SamplingParams takes
     assert batch.rows[0]["top_k"] == VOCAB
 
 
