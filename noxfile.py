@@ -20,6 +20,7 @@ PACKAGES_DIR = ROOT / "packages"
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").is_file())
 # Packages whose tests build tiny Hugging Face models through the private `testing` helper.
 USES_TEST_MODELS = {"worker", "server"}
+TESTING = ROOT / "testing"
 STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
 
 
@@ -30,20 +31,25 @@ def _pyproject(folder: pathlib.Path) -> dict:
 DIST_TO_FOLDER = {_pyproject(PACKAGES_DIR / p)["project"]["name"]: p for p in PACKAGES}
 
 
-def _local_closure(package: str) -> list[str]:
-    """The package and every Ember package it depends on, dependencies first."""
+def _local_deps(folder: pathlib.Path) -> list[str]:
+    """The Ember packages (folder names) that the project in ``folder`` depends on directly."""
+    names = [Requirement(dep).name for dep in _pyproject(folder)["project"]["dependencies"]]
+    return [DIST_TO_FOLDER[name] for name in names if name in DIST_TO_FOLDER]
+
+
+def _local_closure(*packages: str) -> list[str]:
+    """The packages and every Ember package they depend on, dependencies first."""
     order: list[str] = []
 
     def visit(folder: str) -> None:
         if folder in order:
             return
-        for dep in _pyproject(PACKAGES_DIR / folder)["project"]["dependencies"]:
-            name = Requirement(dep).name
-            if name in DIST_TO_FOLDER:
-                visit(DIST_TO_FOLDER[name])
+        for dep in _local_deps(PACKAGES_DIR / folder):
+            visit(dep)
         order.append(folder)
 
-    visit(package)
+    for package in packages:
+        visit(package)
     return order
 
 
@@ -70,9 +76,13 @@ def _install_package(session: nox.Session, package: str) -> None:
     _pin_local_cpu_torch(session)
     folder = PACKAGES_DIR / package
     groups = nox.project.dependency_groups(_pyproject(folder), "test")
-    editable = [arg for dep in _local_closure(package) for arg in ("-e", str(PACKAGES_DIR / dep))]
+    packages = [package]
     if package in USES_TEST_MODELS:
-        editable += ["-e", str(ROOT / "testing")]
+        # The helper writes its models with the server's demo-model writer: its closure comes too.
+        packages += _local_deps(TESTING)
+    editable = [arg for dep in _local_closure(*packages) for arg in ("-e", str(PACKAGES_DIR / dep))]
+    if package in USES_TEST_MODELS:
+        editable += ["-e", str(TESTING)]
     session.install(*editable, *groups)
 
 
@@ -118,7 +128,7 @@ def _install_stack(session: nox.Session) -> None:
     _pin_local_cpu_torch(session)
     editable = [a for p in PACKAGES for a in ("-e", str(PACKAGES_DIR / p))]
     groups = nox.project.dependency_groups(_pyproject(ROOT), "test")
-    session.install(*editable, "-e", str(ROOT), "-e", str(ROOT / "testing"), *groups)
+    session.install(*editable, "-e", str(ROOT), "-e", str(TESTING), *groups)
 
 
 @nox.session

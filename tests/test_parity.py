@@ -19,8 +19,8 @@ from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
+from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path
 from ember_worker.executor import InProcessExecutor
-from ember_worker.tiny_models import ARCHITECTURES, tiny_model_path
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256

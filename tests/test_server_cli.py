@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from ember import LLM, SamplingParams
-from ember_server.cli import DEMO_MODEL_NAME, demo_model_path
+from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]

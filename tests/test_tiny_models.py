@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ember_worker.tiny_models import ARCHITECTURES, tiny_model_path
+from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path
 
 
 def _weights(path) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ import httpx
 from ember_server.bench import serve as bench_serve
 from ember_server.bench import throughput
 from ember_server.bench.common import random_prompts, write_json
-from ember_server.cli import demo_model_path
+from ember_server.demo_model import demo_model_path
 from ember_server.engine_args import EngineArgs
 
 ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}

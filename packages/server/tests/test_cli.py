@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from ember_server.cli import DEMO_MODEL_NAME, demo_model_path, make_parser, resolve_model
+from ember_server.cli import make_parser, resolve_model
+from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
 
 

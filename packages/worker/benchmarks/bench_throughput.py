@@ -26,8 +26,8 @@ from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
+from ember_testing.tiny_models import tiny_model_path
 from ember_worker.executor import InProcessExecutor
-from ember_worker.tiny_models import tiny_model_path
 
 # About 30M parameters: 9 layers of hidden 512, 8 query / 4 KV heads of 64, MLP 1536.
 MODEL_OVERRIDES = dict(

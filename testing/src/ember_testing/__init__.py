@@ -1,2 +1,2 @@
-"""Private test helpers of the Ember monorepo (never published): pytest fixtures over
-``ember_worker.tiny_models``."""
+"""Private test helpers of the Ember monorepo (never published): the tiny-model factory
+(``ember_testing.tiny_models``) and the pytest fixtures over it."""

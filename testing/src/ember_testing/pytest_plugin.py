@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ember_worker.tiny_models import ARCHITECTURES, tiny_model_path, tokenizer_path
+from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path, tokenizer_path
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Without a model, every command uses Ember's built-in demo model: a tiny Llama (about 5 MB) with
 random weights and a real byte-level BPE tokenizer, written offline on first use by
-``ember_worker.tiny_models``. It exercises the whole stack but its text is gibberish.
+``ember_server.demo_model``. It exercises the whole stack but its text is gibberish.
 """
 
 from __future__ import annotations
@@ -13,27 +13,10 @@ import logging
 import os
 import sys
 
+from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
 
 logger = logging.getLogger("ember")
-
-DEMO_MODEL_NAME = "ember-demo"
-# A Llama a few MB in size: big enough to batch meaningfully, small enough to write in seconds.
-DEMO_MODEL_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
-
-
-def demo_model_path() -> str:
-    """Folder of the demo model, written (offline, a few seconds) on first use."""
-    from ember_worker.tiny_models import tiny_model_path
-
-    return str(tiny_model_path("llama", seed=0, **DEMO_MODEL_CONFIG))
 
 
 def resolve_model(args: argparse.Namespace) -> None:

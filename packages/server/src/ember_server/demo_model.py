@@ -1,10 +1,14 @@
-"""Tiny random-weight Hugging Face models with a real, offline-trained tokenizer.
+"""Ember's built-in demo model: a tiny random-weight Llama with a real, offline-trained tokenizer.
 
-Used by the tests of every package and by ``ember serve``'s built-in demo model. Every model is
-written as a genuine HF folder (config.json, safetensors, generation_config.json, tokenizer.json
-with a chat template), so it loads through the real loading code of any engine. Folders are cached
-under ``EMBER_TINY_MODELS_DIR`` (default: ``ember-tiny-models`` in the system temp dir), keyed by a
-digest of everything that determines their content.
+``ember serve``, ``ember generate`` and ``ember bench`` use it when no model is given. It is
+written on first use as a genuine Hugging Face folder (config.json, safetensors,
+generation_config.json, tokenizer.json with a chat template), so it loads through the real loading
+code of any engine, and cached under ``EMBER_TINY_MODELS_DIR`` (default: ``ember-tiny-models`` in
+the system temp dir), keyed by a digest of everything that determines its content. The tokenizer
+is a byte-level BPE trained on the source of a few stdlib modules, which ship with every Python.
+
+``random_model_path`` writes a model of any config this way; the repository's private test-model
+factory (``ember_testing.tiny_models``) builds its architectures on it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import tempfile
 from typing import Any
 
 FACTORY_VERSION = 2
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB_SIZE = 2048
 # <|endoftext|> is in the vocabulary because transformers' Qwen2 tokenizer class adds it otherwise.
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -36,7 +39,8 @@ UNICODE_SAMPLE = (
 # Stdlib modules whose source is the tokenizer's training text: it ships with every Python.
 CORPUS_MODULES = ("textwrap", "difflib", "argparse", "string", "json.decoder", "calendar")
 
-_BASE = dict(
+# What every model written here shares: small sizes, and the tokenizer's vocabulary and ids.
+BASE_CONFIG = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -51,22 +55,76 @@ _BASE = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-ARCH_CONFIGS: dict[str, dict[str, Any]] = {
-    # Llama 3 rope scaling, with an original context short enough that it changes frequencies.
-    "llama": dict(
-        tie_word_embeddings=False,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        ),
+# Llama 3 rope scaling, with an original context short enough that it changes frequencies.
+LLAMA_CONFIG = dict(
+    tie_word_embeddings=False,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
     ),
-    "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
-    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=False),  # qkv bias is built in
-    "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # q/k norm is built in
-}
+)
+DEMO_MODEL_NAME = "ember-demo"
+# A Llama a few MB in size: big enough to batch meaningfully, small enough to write in seconds.
+DEMO_MODEL_CONFIG = dict(
+    LLAMA_CONFIG,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+def demo_model_path() -> str:
+    """Folder of the demo model, written (offline, a few seconds) on first use."""
+    return str(random_model_path("llama", seed=0, **DEMO_MODEL_CONFIG))
+
+
+def random_model_path(
+    model_type: str, seed: int = 0, max_shard_size: str | None = None, **config: Any
+) -> pathlib.Path:
+    """Path of a cached float32 model of the transformers ``model_type``, written on first use.
+
+    Its config is ``BASE_CONFIG`` updated with ``config``; its weights are random, drawn from
+    ``seed``; its tokenizer is ``tokenizer_path()``'s. ``max_shard_size`` (e.g. ``"200KB"``)
+    splits the weights into several safetensors files with an index.
+    """
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.for_model(model_type, **{**BASE_CONFIG, **config})
+    tokenizer = tokenizer_path()
+    spec = dict(
+        v=FACTORY_VERSION,
+        arch=model_type,
+        seed=seed,
+        shard=max_shard_size,
+        config=model_config.to_dict(),
+    )
+    spec["config"].pop("transformers_version", None)
+
+    def write(out: pathlib.Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        model.generation_config.do_sample = False
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
+        for item in tokenizer.iterdir():
+            shutil.copy2(item, out / item.name)
+
+    return _write_atomically(cache_dir() / f"{model_type}-{_digest(spec)}", write)
+
+
+def tokenizer_path() -> pathlib.Path:
+    """Folder holding the shared offline-trained byte-level BPE tokenizer."""
+    spec = dict(v=FACTORY_VERSION, corpus=CORPUS_MODULES, py=sys.version_info[:2], vocab=VOCAB_SIZE)
+    return _write_atomically(cache_dir() / f"tokenizer-{_digest(spec)}", _train_tokenizer)
 
 
 def cache_dir() -> pathlib.Path:
@@ -131,51 +189,6 @@ def _train_tokenizer(out: pathlib.Path) -> None:
         pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=_BASE["max_position_embeddings"],
+        model_max_length=BASE_CONFIG["max_position_embeddings"],
     )
     fast.save_pretrained(out)
-
-
-def tokenizer_path() -> pathlib.Path:
-    """Folder holding the shared offline-trained byte-level BPE tokenizer."""
-    spec = dict(v=FACTORY_VERSION, corpus=CORPUS_MODULES, py=sys.version_info[:2], vocab=VOCAB_SIZE)
-    return _write_atomically(cache_dir() / f"tokenizer-{_digest(spec)}", _train_tokenizer)
-
-
-def model_config(arch: str, **overrides: Any):
-    """The transformers config of a tiny model of ``arch`` with ``overrides`` applied."""
-    from transformers import AutoConfig
-
-    if arch not in ARCH_CONFIGS:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
-    return AutoConfig.for_model(arch, **{**_BASE, **ARCH_CONFIGS[arch], **overrides})
-
-
-def tiny_model_path(
-    arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
-) -> pathlib.Path:
-    """Path of a cached tiny float32 model of ``arch``, written on first use.
-
-    ``overrides`` change config fields (sizes, rope scaling, ...); ``max_shard_size`` (e.g.
-    ``"200KB"``) splits the weights into several safetensors files with an index.
-    """
-    config = model_config(arch, **overrides)
-    tokenizer = tokenizer_path()
-    spec = dict(
-        v=FACTORY_VERSION, arch=arch, seed=seed, shard=max_shard_size, config=config.to_dict()
-    )
-    spec["config"].pop("transformers_version", None)
-
-    def write(out: pathlib.Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.generation_config.do_sample = False
-        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        model.save_pretrained(out, safe_serialization=True, **kwargs)
-        for item in tokenizer.iterdir():
-            shutil.copy2(item, out / item.name)
-
-    return _write_atomically(cache_dir() / f"{arch}-{_digest(spec)}", write)

@@ -1,0 +1,36 @@
+"""The test-model factory: tiny random-weight models of every architecture Ember supports.
+
+Each is a real Hugging Face folder written by the server's demo-model writer
+(``ember_server.demo_model.random_model_path``: same tokenizer, same cache, same on-disk form),
+with the small sizes and the switches of its architecture.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from ember_server.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": LLAMA_CONFIG,
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
+    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=False),  # qkv bias is built in
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # q/k norm is built in
+}
+
+__all__ = ["ARCHITECTURES", "tiny_model_path", "tokenizer_path"]
+
+
+def tiny_model_path(
+    arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> pathlib.Path:
+    """Path of a cached tiny float32 model of ``arch``, written on first use.
+
+    ``overrides`` change config fields (sizes, rope scaling, sliding window, ...);
+    ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into several safetensors files.
+    """
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
