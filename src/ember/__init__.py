@@ -1,10 +1,18 @@
 """Ember: an LLM inference and serving engine. This meta-package re-exports the public API."""
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_scheduler.structured_outputs import StructuredOutputsParams
 from ember_server.engine_args import EngineArgs
 from ember_server.llm import LLM
 from ember_server.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -19,6 +19,7 @@ from ember_scheduler.outputs import (
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.sampling_params import SamplingParams
 from ember_scheduler.scheduler import Scheduler
+from ember_scheduler.structured_outputs import GrammarCompiler, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "EngineCoreRequest",
     "Executor",
     "FinishReason",
+    "GrammarCompiler",
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
@@ -40,5 +42,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
     "__version__",
 ]

@@ -11,6 +11,10 @@ from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.scheduler import Scheduler
+from ember_scheduler.structured_outputs import GrammarCompiler
+
+# How long an idle step waits for a compiling grammar before it returns (nothing to run).
+_GRAMMAR_WAIT_S = 0.01
 
 
 class Executor(Protocol):
@@ -36,10 +40,17 @@ class EngineCore:
     The KV cache manager is built from the executor's ``num_kv_blocks`` and ``block_size``, so
     the scheduler hands out exactly the blocks the executor's cache tensors hold. An exception
     raised by the executor propagates out of ``step()``; the caller (the engine core process)
-    turns it into an ``EngineCoreOutputs.error``.
+    turns it into an ``EngineCoreOutputs.error``. ``grammar_compiler`` (the worker's, for
+    structured outputs) compiles grammars while their requests wait; without it, a request with
+    ``structured_outputs`` is refused with a ValueError.
     """
 
-    def __init__(self, executor: Executor, scheduler_config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler_config: SchedulerConfig | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.executor = executor
         config = scheduler_config if scheduler_config is not None else SchedulerConfig()
         self.kv_cache_manager = KVCacheManager(
@@ -48,7 +59,7 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler)
 
     @property
     def max_num_tokens(self) -> int:
@@ -82,7 +93,10 @@ class EngineCore:
         """Schedule, run the model once, and return what changed (empty when idle)."""
         scheduler = self.scheduler
         if not scheduler.running and not scheduler.waiting:
-            return scheduler.take_pending_outputs()
+            # Only requests waiting for their grammars, if any: wait a little for the first.
+            scheduler.poll_grammars(_GRAMMAR_WAIT_S)
+            if not scheduler.waiting:
+                return scheduler.take_pending_outputs()
         scheduler_output = scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
         return scheduler.update_from_output(scheduler_output, model_runner_output)

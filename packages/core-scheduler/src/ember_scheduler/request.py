@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 
 from ember_kv_cache import BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, FinishReason
@@ -14,12 +15,13 @@ class RequestStatus(enum.IntEnum):
     """Where a request stands; every status from ``FINISHED_STOPPED`` on is final."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6
+    WAITING_FOR_FSM = 1  # its structured-output grammar is compiling; not in the waiting queue
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -39,7 +41,9 @@ _FINISH_REASONS = {
 
 # Which status may follow which; anything else is a scheduler bug and raises.
 _TRANSITIONS = {
+    RequestStatus.WAITING_FOR_FSM: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.WAITING: {
+        RequestStatus.WAITING_FOR_FSM,
         RequestStatus.RUNNING,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_IGNORED,
@@ -60,6 +64,7 @@ class Request:
     ``all_token_ids`` is the prompt followed by the outputs so far; the KV cache manager reads it
     (and hashes its full blocks) without copying. ``num_computed_tokens`` counts the tokens whose
     KV is in the cache or scheduled to be; ``spec_token_ids`` holds draft tokens to verify next.
+    ``grammar`` is the future of its compiled structured-output grammar, while it waits for it.
     """
 
     __slots__ = (
@@ -69,6 +74,7 @@ class Request:
         "cache_salt",
         "eos_token_id",
         "finish_detail",
+        "grammar",
         "lora_name",
         "max_tokens",
         "min_tokens",
@@ -146,6 +152,7 @@ class Request:
         self.num_prompt_logprob_rows_seen = 0
         self.stop_reason: int | str | None = None
         self.finish_detail: str | None = None
+        self.grammar: Future | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ember_scheduler.structured_outputs import StructuredOutputsParams
+
 # Integers cross the wire as msgpack int64; the worker holds per-request counts (min_tokens,
 # top_k, logprobs) and token ids in int32 columns.
 INT32_MAX = 2**31 - 1
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -89,6 +92,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             self.stop_token_ids,
             f"must be token ids in [0, {INT32_MAX}]",
         )
+        if self.structured_outputs is not None:
+            # The grammar ends the output at EOS (or a stop token id), and only there.
+            rule = "cannot be combined with structured_outputs (the grammar decides where it ends)"
+            _check(not self.ignore_eos, "ignore_eos", self.ignore_eos, rule)
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens, rule)
 
     def _check_types(self) -> None:
         """Each field holds its declared type (ints are not bools; an int passes as a float)."""
@@ -111,6 +119,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_onl
             _type_error("stop", "a string or a list of strings", self.stop)
         if not (isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids))):
             _type_error("stop_token_ids", "a list of ints", self.stop_token_ids)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            _type_error(
+                "structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs
+            )
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 
 from ember_kv_cache import KVCacheManager
 from ember_scheduler.config import SchedulerConfig
@@ -31,9 +33,11 @@ from ember_scheduler.outputs import (
 )
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from ember_scheduler.structured_outputs import GrammarCompiler
 
 # An enum member read through its class costs a lookup per request and step; a module name does not.
 _RUNNING = RequestStatus.RUNNING
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 
 
 class Scheduler:
@@ -46,10 +50,20 @@ class Scheduler:
     The longest sequence a request may reach is ``max_model_len``, or less where the KV cache
     pool holds fewer tokens (``max_num_tokens``): a prompt longer than that finishes as IGNORED
     when added, and a request that reaches it finishes with LENGTH.
+
+    A request with structured outputs waits in ``WAITING_FOR_FSM``, outside the waiting queue,
+    until ``grammar_compiler`` has compiled its grammar (others keep running meanwhile); it then
+    joins the queue, or finishes as aborted, with the reason, when its grammar fails to compile.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.config = config
+        self.grammar_compiler = grammar_compiler
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         if kv_cache_manager.usage != 0.0:
@@ -60,6 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = PriorityRequestQueue() if config.policy == "priority" else FCFSRequestQueue()
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []
         # Requests that left the running set since the last schedule(); the worker drops them.
         self.finished_req_ids: set[str] = set()
         # Outputs of requests that finished outside a model step (ignored ones).
@@ -75,6 +90,12 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(
                 f"request {request.request_id!r} is {request.status.name}, not WAITING"
+            )
+        spec = request.sampling_params.structured_outputs
+        if spec is not None and self.grammar_compiler is None:
+            raise ValueError(
+                f"request {request.request_id!r} has structured_outputs, but this engine core has "
+                "no grammar compiler"
             )
         if request.num_prompt_tokens > self.max_num_tokens:
             request.set_status(RequestStatus.FINISHED_IGNORED)
@@ -98,7 +119,12 @@ class Scheduler:
             )
             return
         self.requests[request.request_id] = request
-        self.waiting.add_request(request)
+        if spec is None:
+            self.waiting.add_request(request)
+            return
+        request.grammar = self.grammar_compiler.compile(spec)
+        request.set_status(RequestStatus.WAITING_FOR_FSM)
+        self.waiting_for_grammar.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort); their KV blocks are freed at once.
@@ -110,6 +136,7 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         removed_running: set[Request] = set()
+        removed_compiling = False
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -118,14 +145,25 @@ class Scheduler:
                 removed_running.add(request)
                 self.kv_cache_manager.free(request_id)
                 self.finished_req_ids.add(request_id)
+            elif request.status == _WAITING_FOR_FSM:
+                removed_compiling = True
             else:
                 self.waiting.remove_request(request)
             request.set_status(status)
         if removed_running:
             self.running = [r for r in self.running if r not in removed_running]
+        if removed_compiling:
+            self.waiting_for_grammar = [
+                r for r in self.waiting_for_grammar if r.status == _WAITING_FOR_FSM
+            ]
 
     def has_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or bool(self._pending_outputs)
+        return (
+            bool(self.running)
+            or bool(self.waiting)
+            or bool(self.waiting_for_grammar)
+            or bool(self._pending_outputs)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -134,9 +172,42 @@ class Scheduler:
         """Drop every cached block; False (and nothing done) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def poll_grammars(self, timeout: float = 0.0) -> None:
+        """Queue the requests whose grammar is compiled, waiting up to ``timeout`` seconds for
+        the first; a request whose grammar failed finishes as aborted with the reason."""
+        compiling = self.waiting_for_grammar
+        if not compiling:
+            return
+        if timeout > 0:
+            wait_futures([r.grammar for r in compiling], timeout, FIRST_COMPLETED)
+        still_compiling = []
+        for request in compiling:
+            if not request.grammar.done():
+                still_compiling.append(request)
+                continue
+            error = request.grammar.exception()
+            request.grammar = None
+            if error is None:
+                request.set_status(RequestStatus.WAITING)
+                self.waiting.add_request(request)
+                continue
+            request.set_status(RequestStatus.FINISHED_ABORTED)
+            request.finish_detail = str(error)
+            del self.requests[request.request_id]
+            self._pending_outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    finish_reason=FinishReason.ABORT,
+                    finish_detail=request.finish_detail,
+                )
+            )
+        self.waiting_for_grammar = still_compiling
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
+        self.poll_grammars()
         token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         spec_decode_tokens: dict[str, list[int]] = {}
@@ -466,7 +537,7 @@ class Scheduler:
         self._num_preemptions = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

@@ -31,6 +31,7 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     executor = InProcessExecutor(
         args.model,
+        tokenizer=model_config.tokenizer,
         dtype=args.dtype,
         max_model_len=model_config.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -47,4 +48,4 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
     )
-    return EngineCore(executor, scheduler_config)
+    return EngineCore(executor, scheduler_config, executor.grammar_compiler)

@@ -154,3 +154,8 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be below the vocab size {vocab}")
+        if params.structured_outputs is not None:
+            # xgrammar (and torch) load only once a request asks for structured outputs.
+            from ember_worker.structured_outputs import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)

@@ -11,6 +11,7 @@ from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
+from ember_worker.structured_outputs import XGrammarCompiler
 
 
 class InProcessExecutor:
@@ -18,7 +19,9 @@ class InProcessExecutor:
 
     Loads the model, sizes the KV cache from ``kv_cache_memory`` bytes (required on the CPU; on
     a GPU, ``gpu_memory_utilization`` of the memory left free by the model when it is None) and
-    reports the block count as ``num_kv_blocks``. ``num_threads`` sets torch's (process-wide)
+    reports the block count as ``num_kv_blocks``. ``grammar_compiler`` compiles structured-output
+    specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
+    ``num_threads`` sets torch's (process-wide)
     intra-op thread count; None leaves it alone.
     """
 
@@ -26,6 +29,7 @@ class InProcessExecutor:
         self,
         model: str | os.PathLike,
         *,
+        tokenizer: str | os.PathLike | None = None,
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
@@ -69,6 +73,9 @@ class InProcessExecutor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.grammar_compiler = XGrammarCompiler(
+            model if tokenizer is None else tokenizer, loaded.config.vocab_size
+        )
         self.model_runner = ModelRunner(
             loaded,
             max_model_len=max_model_len,
@@ -76,6 +83,7 @@ class InProcessExecutor:
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
             device=self.device,
+            grammar_compiler=self.grammar_compiler,
         )
         budget = kv_cache_budget(self.device, kv_cache_memory, gpu_memory_utilization)
         self._num_kv_blocks = self.model_runner.kv_cache_spec.num_blocks_for(budget)
@@ -106,3 +114,4 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         """Release the KV cache and the model (the executor is unusable afterwards)."""
         self.model_runner = None
+        self.grammar_compiler.shutdown()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
@@ -21,6 +21,7 @@ from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.sampler import Sampler, SamplerOutput
 from ember_worker.sampling_metadata import build_sampling_metadata
+from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
 
 
 class ModelRunner:
@@ -35,6 +36,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         block_size: int,
         device: torch.device,
+        grammar_compiler: XGrammarCompiler | None = None,
     ) -> None:
         self.model = loaded.model
         self.device = device
@@ -48,6 +50,9 @@ class ModelRunner:
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
+        self.grammar_matchers = (
+            None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs)
+        )
         self.kv_cache_spec = KVCacheSpec(
             num_layers=loaded.config.num_hidden_layers,
             block_size=block_size,
@@ -84,8 +89,12 @@ class ModelRunner:
 
         prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if self.grammar_matchers:
+            self.grammar_matchers.apply_bitmask(logits, index)
         sampler_output = self.sampler(logits, build_sampling_metadata(batch))
         sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
+        if self.grammar_matchers:
+            self.grammar_matchers.accept_sampled(index, sampled)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(index),
@@ -98,8 +107,12 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
+            if self.grammar_matchers is not None:
+                self.grammar_matchers.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             batch.add_request(new_req)
+            if new_req.sampling_params.structured_outputs is not None:
+                self._add_grammar_matcher(new_req)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -108,6 +121,20 @@ class ModelRunner:
                 batch.append_block_ids(req_id, new_block_ids)
             batch.set_num_computed_tokens(req_id, num_computed)
         batch.condense()
+
+    def _add_grammar_matcher(self, new_req: NewRequestData) -> None:
+        """A matcher for a constrained request; its grammar ends at its EOS or stop tokens."""
+        if self.grammar_matchers is None:
+            raise ValueError(
+                f"request {new_req.req_id!r} has structured_outputs, but this model runner has "
+                "no grammar compiler"
+            )
+        params = new_req.sampling_params
+        end_tokens = [new_req.eos_token_id] if new_req.eos_token_id is not None else []
+        end_tokens += [t for t in params.stop_token_ids if t not in end_tokens]
+        self.grammar_matchers.add_request(
+            new_req.req_id, params.structured_outputs, end_tokens, new_req.output_token_ids
+        )
 
     def _prompt_logprobs(
         self, hidden_states: torch.Tensor, num_scheduled: np.ndarray
