@@ -199,6 +199,11 @@ def test_bad_calls_are_clear_errors_that_change_nothing():
         mgr.allocate_slots("a", [1, 2, 3], -1, num_computed_tokens=3)
     with pytest.raises(ValueError, match="num_lookahead_tokens"):
         mgr.allocate_slots("a", [1, 2, 3], 0, num_lookahead_tokens=-1)
+    for bad in (1.5, "1", None):  # on the running request's common path too
+        with pytest.raises(ValueError, match="num_new_tokens must be an int >= 0"):
+            mgr.allocate_slots("a", [1, 2, 3], bad, num_computed_tokens=3)
+    with pytest.raises(ValueError, match="num_computed_tokens must be an int >= 0"):
+        mgr.allocate_slots("a", [1, 2, 3], 0, num_computed_tokens=3.0)
     with pytest.raises(ValueError, match="token_ids"):
         mgr.allocate_slots("a", [1, 2, 3, -4], 1, num_computed_tokens=3)
     assert mgr.get_block_ids("a") == [1]

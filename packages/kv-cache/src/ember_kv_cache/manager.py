@@ -138,22 +138,22 @@ class KVCacheManager:
         Returns the ids of the newly allocated blocks (possibly ``[]``), or ``None`` when the
         pool cannot serve the request, in which case nothing changed.
         """
+        # The one check of the counts, cheap enough for every call: an OR of integers is
+        # negative exactly when one of them is, and raises TypeError for anything not an integer.
+        try:
+            counts_ok = (num_new_tokens | num_computed_tokens | num_lookahead_tokens) >= 0
+        except TypeError:
+            counts_ok = False
+        if not counts_ok:
+            raise ValueError(_bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
         state = self._requests.get(request_id)
-        # The common path of a running request: its blocks have room and no block fills up.
-        if (
-            state is not None
-            and computed is None
-            and (extras is None or extras is state.extras)
-            and num_computed_tokens >= 0
-            and num_new_tokens >= 0
-            and num_lookahead_tokens >= 0
-            and num_computed_tokens + num_new_tokens + num_lookahead_tokens <= state.capacity
-            and (
-                num_computed_tokens + num_new_tokens < state.hash_boundary
-                or len(token_ids) < state.hash_boundary
-            )
-        ):
-            return []
+        if state is not None and computed is None and (extras is None or extras is state.extras):
+            # The common path of a running request: its blocks have room, no block fills up.
+            end = num_computed_tokens + num_new_tokens
+            if end + num_lookahead_tokens <= state.capacity and (
+                end < state.hash_boundary or len(token_ids) < state.hash_boundary
+            ):
+                return []
         return self._allocate_slots(
             request_id,
             state,
@@ -176,13 +176,6 @@ class KVCacheManager:
         num_lookahead_tokens: int,
         extras: BlockHashExtras | None,
     ) -> list[int] | None:
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_computed_tokens", num_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-        ):
-            if not isinstance(value, numbers.Integral) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if extras is not None and not isinstance(extras, BlockHashExtras):
             raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
         capacity = state.capacity if state is not None else 0
@@ -332,3 +325,15 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (empty unless ``enable_kv_events``)."""
         return self.block_pool.take_events()
+
+
+def _bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens) -> str:
+    """The message naming the first token count that is not an int >= 0."""
+    for name, value in (
+        ("num_new_tokens", num_new_tokens),
+        ("num_computed_tokens", num_computed_tokens),
+        ("num_lookahead_tokens", num_lookahead_tokens),
+    ):
+        if not isinstance(value, numbers.Integral) or value < 0:
+            return f"{name} must be an int >= 0, got {value!r}"
+    raise AssertionError("every count is an int >= 0")

@@ -98,14 +98,6 @@ class InProcessExecutor:
     def block_size(self) -> int:
         return self._block_size
 
-    @property
-    def eos_token_id(self) -> int | None:
-        """The model's end-of-sequence token (generation_config.json, else config.json)."""
-        eos = self.loaded.generation_config.get("eos_token_id")
-        if eos is None:
-            eos = getattr(self.loaded.hf_config, "eos_token_id", None)
-        return eos[0] if isinstance(eos, list) else eos
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model_runner is None:
             raise RuntimeError("InProcessExecutor.execute_model called after shutdown()")

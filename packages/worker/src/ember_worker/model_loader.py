@@ -31,7 +31,6 @@ class LoadedModel:
     model: DecoderForCausalLM
     config: DecoderConfig
     hf_config: Any
-    generation_config: dict[str, Any]  # generation_config.json, {} if absent
     dtype: torch.dtype
     path: pathlib.Path
 
@@ -137,6 +136,4 @@ def load_model(
         decoder = DecoderForCausalLM(config, tp=tp, dtype=torch_dtype)
     decoder.load_weights(iterate_weights(safetensors_files(path)))
     decoder.eval()
-    generation_file = path / "generation_config.json"
-    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    return LoadedModel(decoder, config, hf_config, generation, torch_dtype, path)
+    return LoadedModel(decoder, config, hf_config, torch_dtype, path)
