@@ -406,11 +406,13 @@ def test_stats_and_idle_steps():
     outputs = engine.step()
     stats = outputs.scheduler_stats
     assert stats.num_running_reqs == 2 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage > 0
+    assert stats.num_unfinished_reqs == 2
     results: dict = {}
     collect(outputs, results)
     assert outputs.outputs[0].finish_reason is None
     assert engine.reset_prefix_cache() is False  # blocks in use
-    run_to_completion(engine)
+    _, stats = run_to_completion(engine)
+    assert stats[-1].num_unfinished_reqs == 0
     assert engine.reset_prefix_cache() is True
     engine.shutdown()
     assert engine.executor.is_shut_down

@@ -15,6 +15,7 @@ import pathlib
 import random
 import re
 import socket
+import time
 
 import httpx
 import openai
@@ -547,11 +548,18 @@ def _raw_request(server, path: str, body: dict) -> socket.socket:
 
 
 def _assert_idle(server) -> None:
-    """No request left anywhere: KV usage and running/waiting gauges at zero, front end empty."""
+    """No request left anywhere: KV usage and running/waiting gauges at zero, the scheduler's
+    request map empty, and nothing in the front end (output processor, per-request queues)."""
     server.wait_for_metric("ember:kv_cache_usage_perc", lambda v: v == 0.0)
     assert server.metric("ember:num_requests_running") == 0
     assert server.metric("ember:num_requests_waiting") == 0
+    assert server.engine.scheduler_stats.num_unfinished_reqs == 0
     assert server.engine.output_processor.get_num_unfinished_requests() == 0
+    # A dropped stream's queue goes when its generator is closed, just after the abort.
+    deadline = time.monotonic() + 10
+    while server.engine._queues and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not server.engine._queues, f"queues left: {list(server.engine._queues)}"
 
 
 @pytest.fixture(scope="module")

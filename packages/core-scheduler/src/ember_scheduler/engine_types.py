@@ -57,6 +57,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_unfinished_reqs: int = 0  # every request the scheduler holds (its request map)
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # of those, tokens found

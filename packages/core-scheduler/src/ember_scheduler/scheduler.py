@@ -538,6 +538,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
+            num_unfinished_reqs=len(self.requests),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
