@@ -2,8 +2,9 @@
 
 Greedy tokens must equal transformers' token for token in float32, for every architecture, with
 ample KV memory, with a KV pool small enough to force preemption, with prompts chunked by a small
-token budget, and with prefix caching over prompts that share long prefixes (a second run reusing
-the cache). Logprobs must match transformers' log-softmax; seeded sampling must be reproducible
+token budget, with prefix caching over prompts that share long prefixes (a second run reusing
+the cache), and with a sliding window shorter than the prompts. Every reference continuation
+holds several distinct tokens, so that matching it says something. Logprobs must match transformers' log-softmax; seeded sampling must be reproducible
 and independent of the rest of the batch.
 """
 
@@ -26,6 +27,9 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
 NUM_PROMPTS = 16
 OUTPUT_LEN = 64
+# A reference that repeats a token or two could be matched by an engine that gets most of the
+# model wrong.
+MIN_DISTINCT_TOKENS = 8
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -158,6 +162,7 @@ def assert_matches_hf(
 ) -> None:
     expected = hf_greedy(model, prompt_seed, output_len)
     for i, want in enumerate(expected):
+        assert len(set(want)) >= MIN_DISTINCT_TOKENS, f"{model} prompt {i}: trivial reference"
         got = tuple(outputs[i]["tokens"])
         assert got == want, f"{model} prompt {i}: first difference at {_first_diff(got, want)}"
 
@@ -200,6 +205,25 @@ def test_greedy_parity_with_prefix_caching(arch):
     assert totals_second["prefix_cache_hits"] > totals_first["prefix_cache_hits"]
     assert_matches_hf(arch, first)
     assert_matches_hf(arch, second)
+
+
+def test_greedy_parity_with_a_sliding_window_shorter_than_the_prompts():
+    window = 24  # 1.5 KV blocks; shorter than most prompts, and than every prompt + output
+    windowed = ("mistral", (("sliding_window", window),))
+    prompts = parity_prompts()
+    assert sum(len(p) > window for p in prompts) >= NUM_PROMPTS // 2
+    # Same weights (the window is no parameter), and transformers' own continuations change with
+    # the window: its attention applies it, so matching them shows that the engine's does too.
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(hf_model(windowed).parameters(), hf_model("mistral").parameters())
+    )
+    assert hf_model(windowed).config.sliding_window == window
+    changed = [a != b for a, b in zip(hf_greedy(windowed), hf_greedy("mistral"))]
+    assert sum(changed) >= NUM_PROMPTS // 2
+    for budget in (512, 20):  # whole prompts, and chunks that end inside and past the window
+        outputs, _ = run(make_engine(windowed, max_num_batched_tokens=budget), prompts, greedy)
+        assert_matches_hf(windowed, outputs)
 
 
 # Wider, deeper models and other prompts; run by the slow nox session.

@@ -13,11 +13,14 @@ from typing import Any
 from ember_server.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# With tied embeddings and small weights the residual stream stays close to the input token's
+# embedding, so greedy decoding repeats one or two tokens; larger weights let the layers decide.
+_TIED = dict(tie_word_embeddings=True, initializer_range=0.2)
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA_CONFIG,
     "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
-    "qwen2": dict(tie_word_embeddings=True, use_sliding_window=False),  # qkv bias is built in
-    "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # q/k norm is built in
+    "qwen2": dict(_TIED, use_sliding_window=False),  # qkv bias is built in
+    "qwen3": dict(_TIED, head_dim=32),  # q/k norm is built in
 }
 
 __all__ = ["ARCHITECTURES", "tiny_model_path", "tokenizer_path"]
