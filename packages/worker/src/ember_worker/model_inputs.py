@@ -2,7 +2,9 @@
 
 As in vLLM v1's GPU model runner, with numpy and no per-token Python: each scheduled token's row
 and its offset within that row's run give its position; the input id and the block id are then
-gathered at (row, position) and the KV slot is ``block id × block_size + position % block_size``.
+gathered at (row, position) through flat indices into the batch's 2-D buffers (twice as fast as
+2-D fancy indexing on a prefill), and the KV slot is
+``block id × block_size + position % block_size``.
 Off the CPU the host buffers are pinned and copied to device buffers of the same size.
 """
 
@@ -53,6 +55,9 @@ class ModelInputBuffers:
             return torch.zeros(size, dtype=dtype, pin_memory=pin)
 
         self._arange = np.arange(max(max_tokens, max_reqs) + 1, dtype=np.int64)
+        self._flat_index = np.empty(max_tokens, dtype=np.int64)
+        self._token_ids_flat = batch.token_ids_cpu.reshape(-1)
+        self._block_table_flat = batch.block_table_cpu.reshape(-1)
         self._input_ids_t = cpu_buffer(max_tokens, torch.int64)
         self._positions_t = cpu_buffer(max_tokens, torch.int64)
         self._slot_mapping_t = cpu_buffer(max_tokens, torch.int64)
@@ -101,8 +106,13 @@ class ModelInputBuffers:
             np.add(computed[req_indices], offsets, out=positions)
 
         block_size = batch.block_size
-        self._input_ids_np[:total] = batch.token_ids_cpu[req_indices, positions]
-        block_numbers = batch.block_table_cpu[req_indices, positions // block_size]
+        index = self._flat_index[:total]
+        np.multiply(req_indices, batch.max_model_len, out=index)
+        index += positions
+        self._input_ids_np[:total] = self._token_ids_flat[index]
+        np.multiply(req_indices, batch.max_blocks_per_req, out=index)
+        index += positions // block_size
+        block_numbers = self._block_table_flat[index]
         slot_mapping = self._slot_mapping_np[:total]
         np.multiply(block_numbers, block_size, out=slot_mapping)
         slot_mapping += positions % block_size
