@@ -22,9 +22,15 @@ from ember_server.openai.api_server import build_app
 class ServerThread:
     """Context manager: ``with ServerThread(args) as server: server.base_url ...``."""
 
-    def __init__(self, engine_args: EngineArgs, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        api_key: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.engine_args = engine_args
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
         self.engine: AsyncLLM | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
@@ -46,7 +52,7 @@ class ServerThread:
         self.loop = asyncio.get_running_loop()
         self.engine = await AsyncLLM.start(self.engine_args)
         try:
-            app = build_app(self.engine, self.api_key)
+            app = build_app(self.engine, self.api_key, self.tool_call_parser)
             config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
             self._server = uvicorn.Server(config)
             await self._server.serve(sockets=[self._socket])

@@ -21,13 +21,6 @@ def model_path(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(loop, model_path):
     args = EngineArgs(model=model_path, kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4)
     engine = loop.run_until_complete(AsyncLLM.start(args))

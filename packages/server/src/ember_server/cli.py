@@ -15,6 +15,7 @@ import sys
 
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
+from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember")
 
@@ -61,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             api_key=args.api_key,
             log_level=args.uvicorn_log_level,
+            tool_call_parser=args.tool_call_parser,
         )
     )
     return 0
@@ -99,6 +101,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=os.environ.get("EMBER_API_KEY"),
         help="Require 'Authorization: Bearer KEY' (default: $EMBER_API_KEY; none).",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help='Parse tool calls out of the text of requests with tools and tool_choice "auto".',
     )
     serve.add_argument(
         "--uvicorn-log-level",

@@ -40,12 +40,13 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
-def build_app(engine, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``)."""
+def build_app(engine, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``);
+    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto)."""
     app = FastAPI(title="Ember OpenAI-compatible server", version=ember_server.__version__)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine)
+    chat = OpenAIServingChat(engine, tool_call_parser)
     common = OpenAIServing(engine)
 
     if api_key:
@@ -118,13 +119,14 @@ async def run_server(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    tool_call_parser: str | None = None,
 ) -> None:
     """Start the engine core process, then serve until interrupted; always shut the engine down."""
     from ember_server.async_llm import AsyncLLM
 
     engine = await AsyncLLM.start(engine_args)
     try:
-        app = build_app(engine, api_key)
+        app = build_app(engine, api_key, tool_call_parser)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
         )

@@ -13,9 +13,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from ember_scheduler.structured_outputs import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 # Integers travel to the engine core as msgpack int64: larger ones are a 400, not a crash.
@@ -49,6 +50,53 @@ class StreamOptions(OpenAIRequest):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    """``response_format.json_schema``: a named JSON schema."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                "response_format.json_schema must be given exactly when its type is json_schema"
+            )
+        return self
+
+
+class StructuredOutputsField(OpenAIRequest):
+    """vLLM's extra ``structured_outputs``: one of json, json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
+def _checked_spec(field: str, **spec) -> StructuredOutputsParams:
+    """The spec, checked to compile now; a ValueError starting with ``field`` when it does not."""
+    from ember_worker.structured_outputs import check_structured_outputs
+
+    try:
+        params = StructuredOutputsParams(**spec)
+        check_structured_outputs(params)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    return params
+
+
 class _SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat completions (OpenAI's and vLLM's)."""
 
@@ -74,6 +122,26 @@ class _SamplingFields(OpenAIRequest):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # What the output must match, from the fields above (or a chat request's forced tool call).
+    _structured_outputs: StructuredOutputsParams | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self):
+        fmt = self.response_format
+        constrained = fmt is not None and fmt.type != "text"
+        if constrained and self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs exclude each other")
+        if self.structured_outputs is not None:
+            spec = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            self._structured_outputs = _checked_spec("structured_outputs", **spec)
+        elif constrained and fmt.type == "json_object":
+            self._structured_outputs = _checked_spec("response_format", json_object=True)
+        elif constrained:
+            schema = fmt.json_schema.schema_ or {"type": "object"}
+            self._structured_outputs = _checked_spec("response_format", json=schema)
+        return self
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -109,6 +177,7 @@ class _SamplingFields(OpenAIRequest):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured_outputs,
         )
 
 
@@ -152,11 +221,23 @@ class TextContentPart(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    """One message of a chat; content parts other than text are not supported."""
+    """One message of a chat; content parts other than text are not supported. An assistant
+    message may carry the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it
+    answers (both reach the chat template as given)."""
 
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -166,10 +247,29 @@ class ChatMessage(OpenAIRequest):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(OpenAIRequest):
-    """``response_format``: only plain text is supported."""
+class FunctionDefinition(OpenAIRequest):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
-    type: Literal["text"]
+
+class ChatTool(OpenAIRequest):
+    """One entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    """``tool_choice`` naming the function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -180,17 +280,64 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
+    def _check_tools(self):
+        if not self.forces_tool_call:
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice required or a named function needs tools")
+        if self._structured_outputs is not None:
+            raise ValueError(
+                "tool_choice required or a named function excludes response_format and "
+                "structured_outputs"
+            )
+        self._structured_outputs = _checked_spec(
+            "tools", json=self.tool_call_schema(), disable_any_whitespace=True
+        )
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function ``tool_choice`` names, if it names one."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
+    def tool_call_schema(self) -> dict[str, Any]:
+        """The JSON schema a forced call's output matches: the named function's parameters, or
+        (``required``) an object ``{"name", "arguments"}`` for any one of the tools."""
+        name = self.forced_function
+        if name is not None:
+            for tool in self.tools:
+                if tool.function.name == name:
+                    return _parameters(tool)
+            raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+        return {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.function.name},
+                        "arguments": _parameters(tool),
+                    },
+                    "required": ["name", "arguments"],
+                }
+                for tool in self.tools
+            ]
+        }
+
+    @model_validator(mode="after")
     def _check_chat(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
@@ -206,12 +353,22 @@ class ChatCompletionRequest(_SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (None when none, or tool_choice is none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
 
 
 class TokenizeCompletionRequest(OpenAIRequest):
@@ -326,9 +483,21 @@ class ChatCompletionLogProbs(OpenAIResponse):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIResponse):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIResponse):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIResponse):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -348,9 +517,25 @@ class ChatCompletionResponse(OpenAIResponse):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A piece of a streamed tool call: the first piece of call ``index`` carries its id and
+    name, later ones more of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

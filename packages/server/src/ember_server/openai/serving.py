@@ -46,6 +46,9 @@ class OpenAIServing:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 request.conversation(),
+                tools=request.template_tools()
+                if isinstance(request, ChatCompletionRequest)
+                else None,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,

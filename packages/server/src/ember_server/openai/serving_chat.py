@@ -25,18 +25,46 @@ from ember_server.openai.protocol import (
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, sse_event
 from ember_server.openai.streams import ClientDisconnected, until_disconnect
+from ember_server.openai.tool_calls import (
+    TOOL_CALL_PARSERS,
+    TOOL_CALLS,
+    NamedCallStream,
+    ParsedCallStream,
+    RequiredCallStream,
+    forced_tool_call,
+)
 from ember_server.outputs import CompletionOutput, RequestOutput
 
 ROLE = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handler of the chat completions route."""
+    """Handler of the chat completions route.
+
+    ``tool_call_parser`` (a name in ``TOOL_CALL_PARSERS``) parses calls out of the text of
+    requests with tools and ``tool_choice`` auto; without it such requests get a 400. Forced
+    calls (``required``, a named function) need no parser: a grammar shapes their output.
+    """
+
+    def __init__(self, engine, tool_call_parser: str | None = None) -> None:
+        super().__init__(engine)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
+                f"got {tool_call_parser!r}"
+            )
+        self.tool_parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self.check_request(request)
+        if self._parses_calls(request) and self.tool_parser is None:
+            raise OpenAIError(
+                'tools with tool_choice "auto" need the server started with --tool-call-parser',
+                400,
+                "tool_choice",
+            )
         token_ids = self.encode_chat(request)
         if not token_ids:
             raise OpenAIError("messages render to an empty prompt", 400, "messages")
@@ -72,19 +100,51 @@ class OpenAIServingChat(OpenAIServing):
             output.token_ids, output.logprobs or [], request.top_logprobs or 0, self.token_text
         )
 
+    @staticmethod
+    def _parses_calls(request: ChatCompletionRequest) -> bool:
+        """Whether calls are parsed out of free text (tools given, ``tool_choice`` auto)."""
+        return bool(request.tools) and request.tool_choice in (None, "auto")
+
+    def _message(
+        self, request: ChatCompletionRequest, output: CompletionOutput
+    ) -> tuple[ChatResponseMessage, str | None]:
+        """The message of a finished choice, and its finish reason (``tool_calls`` for calls)."""
+        text, finish_reason = output.text, output.finish_reason
+        if request.forces_tool_call and finish_reason == "stop":
+            call = forced_tool_call(request, text)
+            return ChatResponseMessage(role=ROLE, tool_calls=[call]), TOOL_CALLS
+        if self._parses_calls(request):
+            content, calls = self.tool_parser.parse(text)
+            if calls:
+                reason = TOOL_CALLS if finish_reason == "stop" else finish_reason
+                return ChatResponseMessage(role=ROLE, content=content, tool_calls=calls), reason
+        return ChatResponseMessage(role=ROLE, content=text), finish_reason
+
+    def _call_stream(self, request: ChatCompletionRequest):
+        """The tool-call stream of one choice, or None when its text streams as it is."""
+        if request.forced_function is not None:
+            return NamedCallStream(request.forced_function)
+        if request.forces_tool_call:
+            return RequiredCallStream(request)
+        if self._parses_calls(request):
+            return ParsedCallStream(self.tool_parser)
+        return None
+
     def _response(
         self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index,
-                message=ChatResponseMessage(role=ROLE, content=output.text),
-                logprobs=self._logprobs(request, output),
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
+        choices = []
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            message, finish_reason = self._message(request, output)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=message,
+                    logprobs=self._logprobs(request, output),
+                    finish_reason=finish_reason,
+                    stop_reason=output.stop_reason,
+                )
             )
-            for output in sorted(final.outputs, key=lambda o: o.index)
-        ]
         usage = UsageInfo.of(
             len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)
         )
@@ -115,6 +175,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
 
+        call_streams = {index: self._call_stream(request) for index in range(request.n)}
         try:
             for index in range(request.n):
                 role = DeltaMessage(role=ROLE, content="")
@@ -129,18 +190,37 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if output.finish_reason is not None:
                         finished.add(output.index)
-                    choice = ChatCompletionResponseStreamChoice(
-                        index=output.index,
-                        delta=DeltaMessage(content=output.text),
-                        logprobs=self._logprobs(request, output),
-                        finish_reason=output.finish_reason,
-                        stop_reason=output.stop_reason,
-                    )
+                    pieces = _stream_pieces(call_streams[output.index], output, wants_logprobs)
                     usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
-                    yield chunk([choice], usage)
+                    for i, (message, finish_reason) in enumerate(pieces):
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=output.index,
+                            delta=message,
+                            logprobs=self._logprobs(request, output) if i == 0 else None,
+                            finish_reason=finish_reason,
+                            stop_reason=output.stop_reason if finish_reason else None,
+                        )
+                        yield chunk([choice], usage)
             if request.include_usage:
                 yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as exc:
             error = self.engine_failure(exc)
             yield sse_event(error_body(error.message, error.status, error.param))
         yield DONE
+
+
+def _stream_pieces(
+    call_stream, output: CompletionOutput, wants_logprobs: bool
+) -> list[tuple[DeltaMessage, str | None]]:
+    """The deltas (and finish reasons) one output becomes: its text as content, or, through a
+    tool-call stream, content and call pieces; the last carries the finish reason."""
+    if call_stream is None:
+        return [(DeltaMessage(content=output.text), output.finish_reason)]
+    pieces = []
+    message = call_stream.feed(output.text)
+    if message is not None or wants_logprobs:
+        pieces.append((message or DeltaMessage(), None))
+    if output.finish_reason is not None:
+        tail, finish_reason = call_stream.finish(output.finish_reason)
+        pieces.append((tail or DeltaMessage(), finish_reason))
+    return pieces

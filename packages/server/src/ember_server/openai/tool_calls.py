@@ -1,0 +1,176 @@
+"""Tool calls in chat outputs: forced calls read from grammar-constrained JSON, and calls parsed
+out of free text (``tool_choice: "auto"``) by the parser ``--tool-call-parser`` names.
+
+Each stream class turns one choice's text deltas into ``DeltaMessage`` pieces in OpenAI's shape:
+the first piece of a call carries its index, id, type and name; later pieces more arguments.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ember_server.openai.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+
+TOOL_CALLS = "tool_calls"  # the finish reason of an output that is a call
+
+
+def forced_tool_call(request: ChatCompletionRequest, text: str) -> ToolCall:
+    """The call in a forced output: the named function's arguments, or (``required``) JSON
+    ``{"name", "arguments"}`` (the grammar guarantees the shape)."""
+    name = request.forced_function
+    if name is not None:
+        return ToolCall(function=FunctionCall(name=name, arguments=text))
+    call = json.loads(text)
+    return ToolCall(
+        function=FunctionCall(name=call["name"], arguments=json.dumps(call["arguments"]))
+    )
+
+
+def _delta_call(index: int, call: ToolCall) -> DeltaToolCall:
+    return DeltaToolCall(
+        index=index,
+        id=call.id,
+        type="function",
+        function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+    )
+
+
+class HermesToolParser:
+    """Hermes-style calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks,
+    as Hermes, Qwen 2.5 and Qwen 3 write them. A block that is not such JSON stays text."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(the text outside calls, or None when there is none; the calls)``."""
+        content, calls, rest = [], [], text
+        while (start := rest.find(self.START)) >= 0:
+            end = rest.find(self.END, start)
+            if end < 0:
+                break
+            call = self._call(rest[start + len(self.START) : end])
+            content.append(rest[:start] if call else rest[: end + len(self.END)])
+            if call:
+                calls.append(call)
+            rest = rest[end + len(self.END) :]
+        content.append(rest)
+        text_outside = "".join(content)
+        return (text_outside if text_outside.strip() else None) if calls else text, calls
+
+    @staticmethod
+    def _call(body: str) -> ToolCall | None:
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return ToolCall(function=FunctionCall(name=call["name"], arguments=json.dumps(arguments)))
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolParser}
+
+
+class ParsedCallStream:
+    """Streams text as content until a call block starts, then each call once it is complete
+    (text that could still become a block's start is held back)."""
+
+    def __init__(self, parser: HermesToolParser) -> None:
+        self.parser = parser
+        self._buffer = ""
+        self._num_calls = 0
+
+    def feed(self, text: str) -> DeltaMessage | None:
+        self._buffer += text
+        content, calls = [], []
+        parser = self.parser
+        while True:
+            start = self._buffer.find(parser.START)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, parser.START)
+                content.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            end = self._buffer.find(parser.END, start)
+            if end < 0:
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                break
+            block = self._buffer[: end + len(parser.END)]
+            self._buffer = self._buffer[end + len(parser.END) :]
+            text_outside, found = parser.parse(block)
+            content.append(text_outside or "")
+            calls.extend(found)
+        return self._delta("".join(content), calls)
+
+    def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """What is left (an unfinished block is text), and the finish reason to report."""
+        delta = self._delta(self._buffer, [])
+        self._buffer = ""
+        if self._num_calls and finish_reason == "stop":
+            finish_reason = TOOL_CALLS
+        return delta, finish_reason
+
+    def _delta(self, content: str, calls: list[ToolCall]) -> DeltaMessage | None:
+        if not content and not calls:
+            return None
+        deltas = [_delta_call(self._num_calls + i, call) for i, call in enumerate(calls)]
+        self._num_calls += len(calls)
+        return DeltaMessage(content=content or None, tool_calls=deltas or None)
+
+
+class NamedCallStream:
+    """A forced call of a named function: its id and name first, then the arguments as they
+    are generated."""
+
+    def __init__(self, name: str) -> None:
+        self._head: ToolCall | None = ToolCall(function=FunctionCall(name=name, arguments=""))
+
+    def feed(self, text: str) -> DeltaMessage | None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            head.function.arguments = text
+            return DeltaMessage(tool_calls=[_delta_call(0, head)])
+        if not text:
+            return None
+        arguments = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
+        return DeltaMessage(tool_calls=[arguments])
+
+    def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        delta = self.feed("") if self._head is not None else None
+        return delta, TOOL_CALLS if finish_reason == "stop" else finish_reason
+
+
+class RequiredCallStream:
+    """A forced call of any of the tools: the name is known only once the JSON is complete, so
+    the call goes out in one piece at the end."""
+
+    def __init__(self, request: ChatCompletionRequest) -> None:
+        self.request = request
+        self._text = ""
+
+    def feed(self, text: str) -> DeltaMessage | None:
+        self._text += text
+        return None
+
+    def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        if finish_reason != "stop":
+            return DeltaMessage(content=self._text or None), finish_reason
+        call = forced_tool_call(self.request, self._text)
+        return DeltaMessage(tool_calls=[_delta_call(0, call)]), TOOL_CALLS
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
