@@ -96,7 +96,9 @@ def server(tiny_model, test_tokenizer_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server, loop) -> openai.AsyncOpenAI:
-    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    # Retries: a kept-alive connection idle between tests may have been closed by the server
+    # (uvicorn's keep-alive is 5 s), which the client sees as a connection error.
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=2)
     yield client
     loop.run_until_complete(client.close())
 

@@ -102,10 +102,6 @@ class XGrammarCompiler:
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
         self._compiler = self._pool.submit(_make_compiler, str(tokenizer), vocab_size)
 
-    @property
-    def tokenizer_info(self) -> xgr.TokenizerInfo:
-        return self._compiler.result().tokenizer_info
-
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.cache_key()
         with self._lock:
