@@ -93,6 +93,7 @@ class FakeExecutor:
     def __init__(self, num_kv_blocks: int, block_size: int, *, num_spec_tokens: int = 0) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.vocab_size = VOCAB_SIZE
         self.num_spec_tokens = num_spec_tokens
         self.kv = np.full((num_kv_blocks, block_size), -1, dtype=np.int64)
         self.requests: dict[str, _WorkerRequest] = {}

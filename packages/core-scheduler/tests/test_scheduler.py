@@ -5,6 +5,7 @@ import random
 import pytest
 from fake_executor import (
     EOS_TOKEN_ID,
+    VOCAB_SIZE,
     FakeExecutor,
     collect,
     make_request,
@@ -277,6 +278,8 @@ def test_a_request_that_cannot_be_admitted_fails_alone_and_the_engine_goes_on():
         (EngineCoreRequest("none-id", [1, None], params), "TypeError"),  # not a ValueError
         (EngineCoreRequest("n2", [1], SamplingParams(n=2)), "n must be 1"),
         (EngineCoreRequest("neg", [-1], params), "non-negative"),
+        (EngineCoreRequest("vocab", [1, VOCAB_SIZE], params), "vocabulary"),
+        (EngineCoreRequest("eos", [1], params, eos_token_id=-1), "eos_token_id"),
         (EngineCoreRequest("ok", [4], params), "already"),
     ]
     for request, words in bad_requests:

@@ -122,16 +122,22 @@ def _with_sampling_fields(request: EngineCoreRequest, **fields) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("fields", "words"),
+    ("bad", "words"),
     [
-        ({"top_k": 1.5}, "Expected `int`"),  # does not decode
-        ({"max_tokens": None, "min_tokens": 2**40}, "min_tokens must be in [0, 2147483647]"),
+        (_with_sampling_fields(_request("bad", 5), top_k=1.5), "Expected `int`"),  # no decode
+        (
+            _with_sampling_fields(_request("bad", 5), max_tokens=None, min_tokens=2**40),
+            "min_tokens must be in [0, 2147483647]",
+        ),
+        # Beyond the model's vocabulary: the worker would fail the whole step on it.
+        (EngineCoreRequest("bad", [1, 10**6], SamplingParams()), "vocabulary"),
+        (EngineCoreRequest("bad", [1], SamplingParams(), eos_token_id=-1), "eos_token_id"),
     ],
 )
-def test_a_request_that_cannot_be_admitted_fails_alone(wire, fields, words):
+def test_a_request_that_cannot_be_admitted_fails_alone(wire, bad, words):
     send, receive, thread, _ = wire
     send(msg.ADD, _request("running", 12))
-    send(msg.ADD, _with_sampling_fields(_request("bad", 5), **fields))
+    send(msg.ADD, bad)
     tokens, finish, _ = _run_until_finished(receive, ["running", "bad"])
     assert finish["bad"].finish_reason == FinishReason.ABORT and not tokens["bad"]
     assert words in finish["bad"].finish_detail

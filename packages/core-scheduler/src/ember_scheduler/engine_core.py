@@ -28,6 +28,11 @@ class Executor(Protocol):
     @property
     def block_size(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: a prompt holding others is refused when admitted."""
+        ...
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
@@ -38,7 +43,9 @@ class EngineCore:
     ``step``.
 
     The KV cache manager is built from the executor's ``num_kv_blocks`` and ``block_size``, so
-    the scheduler hands out exactly the blocks the executor's cache tensors hold. An exception
+    the scheduler hands out exactly the blocks the executor's cache tensors hold. Requests are
+    checked when admitted (token ids within the executor's ``vocab_size``), so that a bad one is
+    refused alone instead of failing a step. An exception
     raised by the executor propagates out of ``step()``; the caller (the engine core process)
     turns it into an ``EngineCoreOutputs.error``. ``grammar_compiler`` (the worker's, for
     structured outputs) compiles grammars while their requests wait; without it, a request with
@@ -76,6 +83,11 @@ class EngineCore:
         try:
             if isinstance(request, EngineCoreRequest):
                 request = Request.from_engine_core_request(request)
+            if max(request.prompt_token_ids) >= self.executor.vocab_size:
+                raise ValueError(
+                    f"Request.prompt_token_ids of {request.request_id!r} must lie in "
+                    f"[0, {self.executor.vocab_size}) (the model's vocabulary)"
+                )
             self.scheduler.add_request(request)
         except ValueError:
             raise

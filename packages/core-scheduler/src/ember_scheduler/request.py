@@ -115,6 +115,11 @@ class Request:
             raise ValueError(
                 f"Request.prompt_token_ids must be non-negative token ids (request {request_id!r})"
             )
+        if eos_token_id is not None and eos_token_id < 0:
+            raise ValueError(
+                f"Request.eos_token_id must be a non-negative token id or None, got "
+                f"{eos_token_id} (request {request_id!r})"
+            )
         if sampling_params.n != 1:
             raise ValueError(
                 f"SamplingParams.n must be 1 inside the engine core (the front end fans out "

@@ -98,6 +98,10 @@ class InProcessExecutor:
     def block_size(self) -> int:
         return self._block_size
 
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model_runner is None:
             raise RuntimeError("InProcessExecutor.execute_model called after shutdown()")

@@ -129,7 +129,11 @@ class InputBatch:
         return self._req_ids[: self._num_rows]
 
     def add_request(self, new_req: NewRequestData) -> int:
-        """Store a request (prompt and output tokens, blocks, sampling params); returns its row."""
+        """Store a request (prompt and output tokens, blocks, sampling params); returns its row.
+
+        Token ids and EOS were checked when the engine core admitted the request; what is checked
+        here is that the scheduler's numbers fit this batch.
+        """
         req_id = new_req.req_id
         if req_id in self.req_id_to_index:
             raise ValueError(f"NewRequestData.req_id {req_id!r} is already in the batch")
@@ -140,18 +144,11 @@ class InputBatch:
         prompt = np.asarray(new_req.prompt_token_ids, dtype=np.int64)
         output = np.asarray(new_req.output_token_ids, dtype=np.int64)
         num_prompt, num_tokens = len(prompt), len(prompt) + len(output)
-        if num_prompt == 0:
-            raise ValueError(f"NewRequestData.prompt_token_ids of {req_id!r} is empty")
         if num_tokens > self.max_model_len:
             raise ValueError(
                 f"NewRequestData.prompt_token_ids + output_token_ids of {req_id!r} hold "
                 f"{num_tokens} tokens, more than max_model_len {self.max_model_len}"
             )
-        for field, tokens in (("prompt_token_ids", prompt), ("output_token_ids", output)):
-            if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-                raise ValueError(
-                    f"NewRequestData.{field} of {req_id!r} must lie in [0, {self.vocab_size})"
-                )
         if len(new_req.block_ids) > self.max_blocks_per_req:
             raise ValueError(
                 f"NewRequestData.block_ids of {req_id!r} has {len(new_req.block_ids)} blocks, "
@@ -162,11 +159,6 @@ class InputBatch:
             raise ValueError(
                 f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
                 f"got {new_req.num_computed_tokens}"
-            )
-        if new_req.eos_token_id is not None and new_req.eos_token_id < 0:
-            raise ValueError(
-                f"NewRequestData.eos_token_id of {req_id!r} must be non-negative, "
-                f"got {new_req.eos_token_id}"
             )
         min_tokens, stop_ids = 0, None
         if params.min_tokens > len(output):
