@@ -4,8 +4,9 @@ For each batch size and KV length, one decode step of ``ek.paged_attention`` (Tr
 shuffled over the pool) is timed with CUDA events and its achieved bandwidth (bytes of K and V
 read per step / time) is printed as a fraction of the device's copy bandwidth, measured in the
 same run with a large device-to-device copy. The baseline is torch
-``scaled_dot_product_attention`` on the same KV laid out contiguously ([batch, heads, len, head],
-no paging). The kernel's output is checked against SDPA before timing.
+``scaled_dot_product_attention`` on the same KV laid out contiguously ([batch, kv_heads, len,
+head], no paging; ``enable_gqa=True`` shares each KV head, no repeat). The kernel's output is
+checked against SDPA before timing.
 
     python3 packages/attention-kernels/benchmarks/bench_gpu_decode.py
 
@@ -68,19 +69,17 @@ def bench(batch, kv_len, num_q_heads, num_kv_heads, head_size, block_size, dtype
             scale=scale, max_query_len=1, max_seq_len=kv_len, out=out,
         )  # fmt: skip
 
-    # Contiguous KV for SDPA, with the KV heads repeated for the query heads that share them.
-    group = num_q_heads // num_kv_heads
+    # Contiguous KV for SDPA, [batch, kv_heads, len, head]; SDPA's GQA mode shares each KV head
+    # among its query heads, so the baseline reads the same bytes as the paged kernel.
     keys = key_cache[block_table.long()].flatten(1, 2)[:, :kv_len].transpose(1, 2).contiguous()
     values = value_cache[block_table.long()].flatten(1, 2)[:, :kv_len].transpose(1, 2).contiguous()
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
     q4 = query[:, :, None, :]  # [batch, q_heads, 1, head]
 
     def sdpa():
-        F.scaled_dot_product_attention(q4, keys, values, scale=scale)
+        return F.scaled_dot_product_attention(q4, keys, values, scale=scale, enable_gqa=True)
 
     paged()
-    expected = F.scaled_dot_product_attention(q4, keys, values, scale=scale)[:, :, 0]
+    expected = sdpa()[:, :, 0]
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
     t_paged = cuda_time(paged, repeats)
     t_sdpa = cuda_time(sdpa, repeats)
