@@ -10,7 +10,8 @@ import torch
 from ek_inputs import TOLERANCES, random_paged_batch
 
 import ember_kernels as ek
-from ember_kernels import torch_ops, triton_ops
+from ember_kernels import cpu_ops, torch_ops, triton_ops
+from ember_kernels.cpu_ops import build
 from ember_kernels.reference import paged_attention_reference
 
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -60,19 +61,31 @@ def check(
 WINDOW_AND_CAP = ((None, None), (37, None), (None, 30.0), (37, 30.0))
 
 
+# The two CPU paths: vectorized torch, and the compiled kernel (built once per CPU and cached).
+CPU_BACKENDS = [
+    pytest.param(torch_ops, id="torch"),
+    pytest.param(
+        cpu_ops,
+        id="compiled",
+        marks=pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here"),
+    ),
+]
+
+
 # Every head size, block size and dtype; each runs two GQA ratios (alternating so that every
 # head size meets all four) with rotating window/soft-cap settings. The slow test below runs the
 # whole product.
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_path_mixed_batch(head_size, block_size, dtype):
+def test_cpu_path_mixed_batch(backend, head_size, block_size, dtype):
     shift = HEAD_SIZES.index(head_size)
     first = (shift + DTYPES.index(dtype) + BLOCK_SIZES.index(block_size)) % 2
     for k in (first, first + 2):
         window, soft_cap = WINDOW_AND_CAP[(k + shift) % len(WINDOW_AND_CAP)]
         check(
-            torch_ops,
+            backend,
             mixed_lengths(block_size, 300),
             group=GROUPS[k],
             head_size=head_size,
@@ -84,13 +97,14 @@ def test_torch_path_mixed_batch(head_size, block_size, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_path_mixed_batch_full_sweep(head_size, block_size, dtype):
+def test_cpu_path_mixed_batch_full_sweep(backend, head_size, block_size, dtype):
     for group, (window, soft_cap) in itertools.product(GROUPS, WINDOW_AND_CAP):
         check(
-            torch_ops,
+            backend,
             mixed_lengths(block_size, 700),
             group=group,
             head_size=head_size,
@@ -179,9 +193,26 @@ def test_triton_kernel_full_sweep(head_size, block_size, dtype):
             )
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("lengths", [[(1, 5), (1, 300), (1, 17)], [(40, 40)], [(3, 50), (9, 9)]])
-def test_torch_path_decode_only_and_prefill_only(lengths):
-    check(torch_ops, lengths, group=4, head_size=64, block_size=16, dtype=torch.float32)
+def test_cpu_path_decode_only_and_prefill_only(backend, lengths):
+    check(backend, lengths, group=4, head_size=64, block_size=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("group,window,soft_cap", [(1, None, None), (4, 70, None), (2, 45, 20.0)])
+def test_cpu_path_long_prefill_spans_tiles_and_chunks(backend, group, window, soft_cap):
+    """Prefills of several query tiles and key chunks, full and chunked (cached prefix)."""
+    check(
+        backend,
+        [(200, 200), (130, 333), (1, 250)],
+        group=group,
+        head_size=40,
+        block_size=16,
+        dtype=torch.float32,
+        window=window,
+        soft_cap=soft_cap,
+    )
 
 
 def test_sequence_without_new_tokens_is_skipped():
@@ -191,11 +222,38 @@ def test_sequence_without_new_tokens_is_skipped():
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_public_function_dispatches_cpu_tensors_to_torch_path():
+def test_public_function_dispatches_cpu_tensors_to_a_cpu_path():
+    """The compiled kernel where it could be built, else the torch path."""
     batch, _ = random_paged_batch(mixed_lengths(16, 40))
     via_public = ek.paged_attention(*batch.args, scale=0.125, max_query_len=17, max_seq_len=40)
-    via_torch = torch_ops.paged_attention(*batch.args, scale=0.125)
-    torch.testing.assert_close(via_public, via_torch, rtol=0, atol=0)
+    cpu_path = cpu_ops if cpu_ops.available() else torch_ops
+    via_path = cpu_path.paged_attention(*batch.args, scale=0.125)
+    torch.testing.assert_close(via_public, via_path, rtol=0, atol=0)
+
+
+def test_without_a_compiler_the_torch_path_serves_with_one_log_line(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(build, "_state", {})
+    batch, _ = random_paged_batch(mixed_lengths(16, 40))
+    with caplog.at_level("WARNING", logger="ember_kernels"):
+        out = ek.paged_attention(*batch.args, scale=0.125)
+        again = ek.paged_attention(*batch.args, scale=0.125)
+    assert not cpu_ops.available()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "using the torch path" in warnings[0], warnings
+    expected = torch_ops.paged_attention(*batch.args, scale=0.125)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_ops.paged_attention(*batch.args, scale=0.125)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+def test_compiled_path_rejects_block_ids_outside_the_cache():
+    batch, _ = random_paged_batch([(1, 40), (2, 20)])
+    batch.block_table[1, 1] = batch.key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_table: sequence 1 page 1"):
+        cpu_ops.paged_attention(*batch.args, scale=0.125)
 
 
 def test_bad_arguments_raise_value_error_naming_the_field():
@@ -217,8 +275,8 @@ def test_cpu_plan_is_rebuilt_when_metadata_changes_in_place():
     """Layers of a step reuse one batch plan; rewriting the metadata (here through a numpy
     view, which torch cannot see) must give a fresh plan, never a stale one."""
     batch, seed = random_paged_batch([(1, 40), (3, 21), (1, 17)], spare_blocks=4)
-    first = ek.paged_attention(*batch.args, scale=0.125)
-    again = ek.paged_attention(*batch.args, scale=0.125)
+    first = torch_ops.paged_attention(*batch.args, scale=0.125)
+    again = torch_ops.paged_attention(*batch.args, scale=0.125)
     assert torch.equal(first, again)
     # Move sequence 0's second page to a spare block, and shorten sequence 2 by one token.
     spare = sorted(set(range(batch.key_cache.shape[0])) - set(batch.block_table.view(-1).tolist()))
@@ -229,7 +287,7 @@ def test_cpu_plan_is_rebuilt_when_metadata_changes_in_place():
     batch.value_cache[old_block] = float("nan")
     batch.block_table.numpy()[0, 1] = spare[0]
     batch.seq_lens.numpy()[2] -= 1
-    moved = ek.paged_attention(*batch.args, scale=0.125)
+    moved = torch_ops.paged_attention(*batch.args, scale=0.125)
     expected = paged_attention_reference(*batch.as_float64(), scale=0.125)
     assert not moved.isnan().any(), f"seed {seed}: a stale plan read the old block"
     torch.testing.assert_close(

@@ -2,14 +2,15 @@
 
 CUDA tensors run the Triton kernels (``ember_kernels.triton_ops``, imported on first use so that
 CPU-only users never import triton); other tensors run the vectorized torch paths
-(``ember_kernels.torch_ops``).
+(``ember_kernels.torch_ops``), except paged attention, which runs the compiled C++ kernel
+(``ember_kernels.cpu_ops``) where it could be built and the torch path otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ember_kernels import torch_ops
+from ember_kernels import cpu_ops, torch_ops
 
 
 def _backend(t: torch.Tensor):
@@ -61,7 +62,10 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are host-side upper bounds that spare the GPU path a
     device sync. Returns ``out`` (allocated when None) ``[num_tokens, num_q_heads, head_size]``.
     """
-    return _backend(query).paged_attention(
+    backend = _backend(query)
+    if backend is torch_ops and cpu_ops.available():
+        backend = cpu_ops
+    return backend.paged_attention(
         query,
         key_cache,
         value_cache,

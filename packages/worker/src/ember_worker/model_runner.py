@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import ember_kernels as ek
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -40,6 +41,9 @@ class ModelRunner:
     ) -> None:
         self.model = loaded.model
         self.device = device
+        if device.type == "cpu":
+            # Build (first run on this CPU) or load the compiled attention now, not in a step.
+            ek.cpu_ops.available()
         self.input_batch = InputBatch(
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,

@@ -1,0 +1,117 @@
+"""Builds the C++ CPU kernels on first use and caches the library per user, source and CPU.
+
+The library is compiled with ``-O3 -march=native`` for the CPU it runs on, so the cache key holds
+the CPU's model and feature flags besides the source, torch, Python and compiler versions: a
+cache shared between machines (a network home) never hands one CPU's build to another. Later
+processes import the cached library directly (no compiler call). Where no compiler works, the
+torch path is used and one warning line says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+
+import torch
+
+logger = logging.getLogger("ember_kernels")
+
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_root() -> pathlib.Path:
+    """``$EMBER_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/ember-kernels``, else ~/.cache/..."""
+    if "EMBER_KERNELS_CACHE" in os.environ:
+        return pathlib.Path(os.environ["EMBER_KERNELS_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "ember-kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), else the platform's description."""
+    try:
+        fields = {}
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        return f"{fields.get('model name')}|{fields.get('flags')}"
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} is not on PATH)")
+    done = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()[0]
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        _compiler_version().encode(),
+        _cpu_identity().encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _import_library(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, directory: pathlib.Path):
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    logger.info("ember_kernels: compiling the CPU kernels into %s (once per CPU)", directory)
+    return load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def load_library():
+    """The compiled kernels' module, built if needed; None (logged once) where it cannot be."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        try:
+            key = _build_key()
+            name = f"ember_cpu_kernels_{key}"
+            directory = cache_root() / key
+            library = directory / f"{name}.so"
+            module = _import_library(name, library) if library.exists() else _build(name, directory)
+        except Exception as exc:  # no compiler, a failed build or load: the torch path serves
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            logger.warning(
+                "ember_kernels: compiled CPU attention unavailable (%s); using the torch path",
+                reason,
+            )
+        _state["module"] = module
+        return module

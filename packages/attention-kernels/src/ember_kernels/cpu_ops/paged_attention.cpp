@@ -1,0 +1,538 @@
+// Paged attention for CPU tensors: K and V are read in place from the paged cache through the
+// block table (no gather copy), every sequence attends only its own length (no padding), and
+// prefill, chunked prefill and decode share one call.
+//
+// Work is cut into items (sequence, KV head, tile of query tokens); the query heads sharing the KV
+// head are folded into the tile's rows, so each key and value is read once per KV head (GQA
+// without repeats). Items run on torch's intra-op threads, biggest first, taken from a shared
+// counter. Each item walks its visible keys in chunks with an online softmax in float32.
+//
+// Two layouts of the same algorithm: tiles with at least one vector of rows (prefill) keep their
+// queries, probabilities and output transposed ([head_size][rows], [keys][rows]) so that every
+// inner loop is a broadcast-multiply-add over a vector of rows; smaller tiles (decode) keep them
+// row-major and vectorize over head_size. Vectors are GCC vector extensions of the widest width
+// the build target has (the build is per CPU: see build.py).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(float))));
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t CHUNK = 64;    // keys per online-softmax step
+constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads per KV head) per prefill item
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(vf));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+inline vf splat(float x) { return vf{} + x; }
+// Sum of the lanes by halving (a serial lane loop is a long dependency chain).
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+  return v[0];
+}
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative error
+// about 1e-7); exactly 0 below -87 (and for -inf, the masked scores).
+inline vf exp_nonpositive(vf x) {
+  vi underflow = x < splat(-87.f);
+  x = underflow ? splat(-87.f) : x;
+  x = x > splat(0.f) ? splat(0.f) : x;
+  vf t = x * 1.4426950408889634f;
+  vi n = __builtin_convertvector(t - 0.5f, vi);  // round half down (t <= 0 truncates up)
+  vf r = (t - __builtin_convertvector(n, vf)) * 0.6931471805599453f;
+  vf p = splat(1.f / 720);
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(vf));
+  vf e = p * scale;
+  return underflow ? splat(0.f) : e;
+}
+
+inline float exp_nonpositive(float x) {
+  vf v = exp_nonpositive(splat(x));
+  return v[0];
+}
+
+struct Params {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  void* out;
+  const int32_t* block_table;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
+  int64_t bt_stride;
+  int64_t block_size, kv_heads, group, head_size;
+  int64_t cache_stride_block, cache_stride_slot;  // in elements; a head's row is contiguous
+  float scale;
+  int64_t window;  // 0: none
+  float soft_cap;  // 0: none
+};
+
+struct Item {
+  int64_t seq, kv_head, first_token, num_tokens, cost;
+};
+
+// Per-thread scratch, grown as needed and kept between calls.
+struct Scratch {
+  std::vector<float> q, s, o, m, l, pos, kconv, vconv;
+  std::vector<const float*> krows, vrows;
+};
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Pointers to the float rows of keys [k0, k0 + n) of one KV head; half-precision rows are first
+// converted into ``conv`` (a chunk-sized scratch, not a gather of the sequence).
+template <typename T>
+void chunk_rows(
+    const Params& p, const T* cache, const int32_t* blocks, int64_t kv_head, int64_t k0, int64_t n,
+    std::vector<float>& conv, const float** rows) {
+  const int64_t D = p.head_size;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = k0 + j;
+    const T* src = cache + blocks[key / p.block_size] * p.cache_stride_block +
+                   (key % p.block_size) * p.cache_stride_slot + kv_head * D;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = src;
+    } else {
+      float* dst = conv.data() + j * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+      rows[j] = dst;
+    }
+  }
+}
+
+inline void soft_cap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
+
+// Prefill layout: rows on the vector lanes. q: [D][Mp], s: [CHUNK][Mp], o: [D][Mp].
+template <typename T>
+void attend_columns(const Params& p, const Item& it, Scratch& w) {
+  const int64_t D = p.head_size, G = p.group;
+  // Rows padded to a multiple of two vectors (the micro-kernels' width).
+  const int64_t M = it.num_tokens * G, Mp = (M + 2 * VW - 1) / (2 * VW) * (2 * VW);
+  const int64_t seq_len = p.seq_lens[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
+  const int64_t first_pos = seq_len - q_len + it.first_token;
+  const int64_t last_pos = first_pos + it.num_tokens - 1;
+  const int32_t* blocks = p.block_table + it.seq * p.bt_stride;
+  const T* query = static_cast<const T*>(p.query);
+
+  w.q.resize(D * Mp);
+  w.s.resize(CHUNK * Mp);
+  w.o.assign(D * Mp, 0.f);
+  w.m.assign(Mp, NEG_INF);
+  w.l.assign(Mp, 0.f);
+  w.pos.resize(Mp);
+  w.krows.resize(CHUNK);
+  w.vrows.resize(CHUNK);
+  if constexpr (!std::is_same_v<T, float>) {
+    w.kconv.resize(CHUNK * D);
+    w.vconv.resize(CHUNK * D);
+  }
+  // Row r is token r / G, head r % G of the group; pad rows repeat the last real row.
+  for (int64_t r = 0; r < Mp; ++r) {
+    const int64_t rr = std::min(r, M - 1), t = rr / G, h = it.kv_head * G + rr % G;
+    const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
+                   h * p.q_stride_head;
+    for (int64_t d = 0; d < D; ++d) w.q[d * Mp + r] = to_float(src[d]) * p.scale;
+    w.pos[r] = static_cast<float>(first_pos + t);
+  }
+  const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  float* q = w.q.data();
+  float* s = w.s.data();
+  float* o = w.o.data();
+  for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
+    chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
+                  w.krows.data());
+    chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
+                  w.vrows.data());
+    const float* const* kr = w.krows.data();
+    const float* const* vr = w.vrows.data();
+    // Scores s[j][r] = q_r . k_j: eight keys by two row vectors (16 accumulators) at a time; a
+    // tail block repeats its last key and drops those results.
+    for (int64_t j = 0; j < n; j += 8) {
+      const int64_t nj = std::min<int64_t>(8, n - j);
+      const float* k[8];
+      for (int i = 0; i < 8; ++i) k[i] = kr[j + std::min<int64_t>(i, nj - 1)];
+      for (int64_t mb = 0; mb < Mp; mb += 2 * VW) {
+        vf a[8][2] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const vf q0 = load(q + d * Mp + mb), q1 = load(q + d * Mp + mb + VW);
+          for (int i = 0; i < 8; ++i) {
+            const float kd = k[i][d];
+            a[i][0] += q0 * kd;
+            a[i][1] += q1 * kd;
+          }
+        }
+        for (int64_t i = 0; i < nj; ++i) {
+          store(s + (j + i) * Mp + mb, a[i][0]);
+          store(s + (j + i) * Mp + mb + VW, a[i][1]);
+        }
+      }
+    }
+    if (p.soft_cap > 0.f) soft_cap_scores(s, n * Mp, p.soft_cap);
+    // Mask keys past a row's position (the diagonal) or before its window.
+    const bool diagonal = k0 + n - 1 > first_pos;
+    const bool window_edge = p.window && k0 <= last_pos - p.window;
+    if (diagonal || window_edge) {
+      for (int64_t mb = 0; mb < Mp; mb += VW) {
+        const vf pos = load(w.pos.data() + mb);
+        for (int64_t j = 0; j < n; ++j) {
+          const float key = static_cast<float>(k0 + j);
+          vi hidden = splat(key) > pos;
+          if (p.window) hidden |= splat(key) <= pos - static_cast<float>(p.window);
+          store(s + j * Mp + mb, hidden ? splat(NEG_INF) : load(s + j * Mp + mb));
+        }
+      }
+    }
+    // Online softmax per row, vectorized over rows.
+    for (int64_t mb = 0; mb < Mp; mb += VW) {
+      vf mx = load(w.m.data() + mb);
+      for (int64_t j = 0; j < n; ++j) mx = vmax(mx, load(s + j * Mp + mb));
+      const vf m_old = load(w.m.data() + mb);
+      // A row that has seen only masked keys so far keeps weight 0 (no inf - inf).
+      const vf m_use = mx == splat(NEG_INF) ? splat(0.f) : mx;
+      const vf alpha = exp_nonpositive(m_old - m_use);
+      vf sum = splat(0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const vf e = exp_nonpositive(load(s + j * Mp + mb) - m_use);
+        store(s + j * Mp + mb, e);
+        sum += e;
+      }
+      store(w.l.data() + mb, load(w.l.data() + mb) * alpha + sum);
+      store(w.m.data() + mb, mx);
+      for (int64_t d = 0; d < D; ++d) store(o + d * Mp + mb, load(o + d * Mp + mb) * alpha);
+    }
+    // o[d][r] += sum_j v_j[d] * s[j][r]: eight head dims by two row vectors at a time; a tail
+    // block repeats its last dim and drops those results.
+    for (int64_t d = 0; d < D; d += 8) {
+      const int64_t nd = std::min<int64_t>(8, D - d);
+      int64_t dd[8];
+      for (int i = 0; i < 8; ++i) dd[i] = d + std::min<int64_t>(i, nd - 1);
+      for (int64_t mb = 0; mb < Mp; mb += 2 * VW) {
+        vf a[8][2];
+        for (int i = 0; i < 8; ++i) {
+          a[i][0] = load(o + dd[i] * Mp + mb);
+          a[i][1] = load(o + dd[i] * Mp + mb + VW);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const vf p0 = load(s + j * Mp + mb), p1 = load(s + j * Mp + mb + VW);
+          const float* v = vr[j];
+          for (int i = 0; i < 8; ++i) {
+            const float vd = v[dd[i]];
+            a[i][0] += p0 * vd;
+            a[i][1] += p1 * vd;
+          }
+        }
+        for (int64_t i = 0; i < nd; ++i) {
+          store(o + (d + i) * Mp + mb, a[i][0]);
+          store(o + (d + i) * Mp + mb + VW, a[i][1]);
+        }
+      }
+    }
+  }
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = r / G, h = it.kv_head * G + r % G;
+    T* dst = out + (p.query_start_loc[it.seq] + it.first_token + t) * p.out_stride_token +
+             h * p.out_stride_head;
+    const float inv = 1.f / w.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d * Mp + r] * inv);
+  }
+}
+
+// Decode layout: few rows (one token's heads of the group), vectorized over head_size.
+// q: [M][D], s: [M][CHUNK], o: [M][D].
+template <typename T>
+void attend_rows(const Params& p, const Item& it, Scratch& w) {
+  const int64_t D = p.head_size, G = p.group, M = it.num_tokens * G;
+  const int64_t Dv = D / VW * VW;
+  const int64_t seq_len = p.seq_lens[it.seq];
+  const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
+  const int64_t first_pos = seq_len - q_len + it.first_token;
+  const int64_t last_pos = first_pos + it.num_tokens - 1;
+  const int32_t* blocks = p.block_table + it.seq * p.bt_stride;
+  const T* query = static_cast<const T*>(p.query);
+
+  w.q.resize(M * D);
+  w.s.resize(M * CHUNK);
+  w.o.assign(M * D, 0.f);
+  w.m.assign(M, NEG_INF);
+  w.l.assign(M, 0.f);
+  w.krows.resize(CHUNK);
+  w.vrows.resize(CHUNK);
+  if constexpr (!std::is_same_v<T, float>) {
+    w.kconv.resize(CHUNK * D);
+    w.vconv.resize(CHUNK * D);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = r / G, h = it.kv_head * G + r % G;
+    const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
+                   h * p.q_stride_head;
+    for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
+  }
+  const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  float* q = w.q.data();
+  float* s = w.s.data();
+  float* o = w.o.data();
+  for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
+    chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
+                  w.krows.data());
+    chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
+                  w.vrows.data());
+    const float* const* kr = w.krows.data();
+    const float* const* vr = w.vrows.data();
+    // Scores, two rows by four keys at a time (a tail repeats its last row or key).
+    for (int64_t r = 0; r < M; r += 2) {
+      const float* q0 = q + r * D;
+      const float* q1 = q + std::min(r + 1, M - 1) * D;
+      for (int64_t j = 0; j < n; j += 4) {
+        const float* k[4];
+        for (int i = 0; i < 4; ++i) k[i] = kr[std::min(j + i, n - 1)];
+        vf a[2][4] = {};
+        for (int64_t d = 0; d < Dv; d += VW) {
+          const vf x0 = load(q0 + d), x1 = load(q1 + d);
+          for (int i = 0; i < 4; ++i) {
+            const vf kd = load(k[i] + d);
+            a[0][i] += x0 * kd;
+            a[1][i] += x1 * kd;
+          }
+        }
+        for (int64_t rr = 0; rr < std::min<int64_t>(2, M - r); ++rr) {
+          const float* qr = rr ? q1 : q0;
+          for (int64_t i = 0; i < std::min<int64_t>(4, n - j); ++i) {
+            float dot = hsum(a[rr][i]);
+            for (int64_t d = Dv; d < D; ++d) dot += qr[d] * k[i][d];
+            s[(r + rr) * CHUNK + j + i] = dot;
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t pos = first_pos + r / G;
+      for (int64_t j = 0; j < n; ++j) {
+        float dot = s[r * CHUNK + j];
+        if (p.soft_cap > 0.f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
+        const int64_t key = k0 + j;
+        const bool hidden = key > pos || (p.window && key <= pos - p.window);
+        s[r * CHUNK + j] = hidden ? NEG_INF : dot;
+      }
+      float mx = w.m[r];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[r * CHUNK + j]);
+      const float m_use = mx == NEG_INF ? 0.f : mx;
+      const float alpha = exp_nonpositive(w.m[r] - m_use);
+      float sum = 0.f;
+      int64_t j = 0;
+      vf vsum = splat(0.f);
+      for (; j + VW <= n; j += VW) {
+        const vf e = exp_nonpositive(load(s + r * CHUNK + j) - m_use);
+        store(s + r * CHUNK + j, e);
+        vsum += e;
+      }
+      sum = hsum(vsum);
+      for (; j < n; ++j) {
+        s[r * CHUNK + j] = exp_nonpositive(s[r * CHUNK + j] - m_use);
+        sum += s[r * CHUNK + j];
+      }
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = mx;
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
+    }
+    // o[r] += sum_j s[r][j] * v_j: two rows by four vectors of head dims held in registers over
+    // the chunk (a tail repeats its last row or vector and stores it once more, unchanged).
+    for (int64_t r = 0; r < M; r += 2) {
+      const int64_t r1 = std::min(r + 1, M - 1);
+      for (int64_t d = 0; d < Dv; d += 4 * VW) {
+        int64_t off[4];
+        for (int i = 0; i < 4; ++i) off[i] = std::min<int64_t>(d + i * VW, Dv - VW);
+        vf a[2][4];
+        for (int i = 0; i < 4; ++i) {
+          a[0][i] = load(o + r * D + off[i]);
+          a[1][i] = load(o + r1 * D + off[i]);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = vr[j];
+          const float p0 = s[r * CHUNK + j], p1 = s[r1 * CHUNK + j];
+          for (int i = 0; i < 4; ++i) {
+            const vf vd = load(v + off[i]);
+            a[0][i] += vd * p0;
+            a[1][i] += vd * p1;
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          store(o + r * D + off[i], a[0][i]);
+          store(o + r1 * D + off[i], a[1][i]);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t d = Dv; d < D; ++d) {
+          o[r * D + d] += vr[j][d] * s[r * CHUNK + j];
+          if (r1 != r) o[r1 * D + d] += vr[j][d] * s[r1 * CHUNK + j];
+        }
+      }
+    }
+  }
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = r / G, h = it.kv_head * G + r % G;
+    T* dst = out + (p.query_start_loc[it.seq] + it.first_token + t) * p.out_stride_token +
+             h * p.out_stride_head;
+    const float inv = 1.f / w.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+  }
+}
+
+template <typename T>
+void run_items(const Params& p, const std::vector<Item>& items) {
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), total);
+  auto work = [&](int64_t, int64_t) {
+    thread_local Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      if (it.num_tokens * p.group >= VW) {
+        attend_columns<T>(p, it, scratch);
+      } else {
+        attend_rows<T>(p, it, scratch);
+      }
+    }
+  };
+  if (workers <= 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
+}
+
+}  // namespace
+
+void paged_attention(
+    const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+    const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
+    const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
+    torch::Tensor& out) {
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key_cache/value_cache must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
+                  query_start_loc.scalar_type() == torch::kInt32 &&
+                  query_start_loc.is_contiguous() && seq_lens.scalar_type() == torch::kInt32 &&
+                  seq_lens.is_contiguous(),
+              "block_table/query_start_loc/seq_lens must be int32 with a contiguous last dim");
+  Params p{};
+  p.query = query.data_ptr();
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.bt_stride = block_table.stride(0);
+  p.block_size = key_cache.size(1);
+  p.kv_heads = key_cache.size(2);
+  p.head_size = key_cache.size(3);
+  p.group = query.size(1) / p.kv_heads;
+  p.cache_stride_block = key_cache.stride(0);
+  p.cache_stride_slot = key_cache.stride(1);
+  p.scale = static_cast<float>(scale);
+  p.window = sliding_window;
+  p.soft_cap = static_cast<float>(soft_cap);
+
+  const int64_t num_seqs = seq_lens.size(0), num_blocks = key_cache.size(0);
+  const int64_t max_blocks = block_table.size(1);
+  const int64_t tile_tokens = std::max<int64_t>(1, TILE_ROWS / p.group);
+  std::vector<Item> items;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+    const int64_t seq_len = p.seq_lens[seq];
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= seq_len,
+                      "seq_lens: every sequence's KV length must cover its query tokens (sequence ",
+                      seq, ": ", q_len, " new tokens, KV length ", seq_len, ")");
+    if (q_len == 0) continue;
+    const int64_t pages = (seq_len + p.block_size - 1) / p.block_size;
+    TORCH_CHECK_VALUE(pages <= max_blocks, "block_table: sequence ", seq, " needs ", pages,
+                      " pages, the table has ", max_blocks);
+    const int32_t* row = p.block_table + seq * p.bt_stride;
+    for (int64_t i = 0; i < pages; ++i) {
+      TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < num_blocks, "block_table: sequence ", seq,
+                        " page ", i, " is block ", row[i], ", outside the cache's ", num_blocks,
+                        " blocks");
+    }
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
+      const int64_t nt = std::min(tile_tokens, q_len - t0);
+      const int64_t last = seq_len - q_len + t0 + nt;
+      const int64_t keys = sliding_window ? std::min<int64_t>(last, sliding_window + nt) : last;
+      for (int64_t h = 0; h < p.kv_heads; ++h) items.push_back({seq, h, t0, nt, keys * nt});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      run_items<float>(p, items);
+      break;
+    case torch::kHalf:
+      run_items<c10::Half>(p, items);
+      break;
+    case torch::kBFloat16:
+      run_items<c10::BFloat16>(p, items);
+      break;
+    default:
+      TORCH_CHECK_VALUE(false, "query: unsupported dtype ", query.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over a paged KV cache (CPU)");
+}
