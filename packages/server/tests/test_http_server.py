@@ -187,6 +187,15 @@ def test_n_2_with_seed(client):
     assert texts == {c.index: c.message.content for c in whole.choices}
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_n_2_with_the_extreme_seeds_is_served(client, seed):
+    # Child seeds wrap within int64: a valid seed is never refused for its children's sake.
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, n=3, seed=seed
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+
+
 def test_seed_reproducibility(client):
     def sample(seed):
         return (
