@@ -147,3 +147,32 @@ def test_a_grammar_failing_inside_the_engine_aborts_only_its_request(llm):
         temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["x"])
     )
     assert llm.generate(PROMPTS[0], ok, use_tqdm=False)[0].outputs[0].text == "x"
+
+
+@pytest.mark.slow
+def test_preempted_constrained_requests_resume_their_grammar(tiny_model):
+    """A cache too small for the batch preempts requests; on resume each matcher replays the
+    outputs so far, and every output still validates."""
+    from ember_scheduler import EngineCoreRequest
+
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory=96 * 1024, max_model_len=1024)
+    try:
+        core, tokenizer = llm.engine_core, llm.get_tokenizer()
+        for i, schema in enumerate(SCHEMAS):
+            params = _params(StructuredOutputsParams(json=schema), i)
+            prompt = tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids
+            core.add_request(EngineCoreRequest(str(i), prompt, params, eos_token_id=2))
+        tokens, reasons, preemptions = {}, {}, 0
+        while core.has_unfinished_requests():
+            step = core.step()
+            preemptions += step.scheduler_stats.num_preemptions
+            for out in step.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                reasons[out.request_id] = out.finish_reason
+    finally:
+        llm.shutdown()
+    assert preemptions > 0
+    for i, schema in enumerate(SCHEMAS):
+        assert str(reasons[str(i)]) == "stop"
+        text = tokenizer.decode(tokens[str(i)], skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)

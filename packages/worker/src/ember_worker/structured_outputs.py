@@ -141,9 +141,6 @@ class GrammarMatchers:
         self._bitmask = xgr.allocate_token_bitmask(max_num_reqs, compiler.vocab_size)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._matchers
-
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
