@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from ember_kv_cache import KVCacheManager
+from ember_kv_cache import KVCacheManager, KVTransferConfig, TieredConnectorScheduler, TieredKVStore
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -33,6 +33,11 @@ class Executor(Protocol):
         """Token ids the model takes: a prompt holding others is refused when admitted."""
         ...
 
+    @property
+    def kv_transfer_store(self) -> TieredKVStore | None:
+        """The worker's KV tier store when built with a ``kv_transfer_config``, else None."""
+        ...
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
@@ -49,7 +54,9 @@ class EngineCore:
     raised by the executor propagates out of ``step()``; the caller (the engine core process)
     turns it into an ``EngineCoreOutputs.error``. ``grammar_compiler`` (the worker's, for
     structured outputs) compiles grammars while their requests wait; without it, a request with
-    ``structured_outputs`` is refused with a ValueError.
+    ``structured_outputs`` is refused with a ValueError. With a ``kv_transfer_config`` (the one
+    the executor was built with) the scheduler drives a tiered KV connector over the executor's
+    ``kv_transfer_store``.
     """
 
     def __init__(
@@ -57,6 +64,7 @@ class EngineCore:
         executor: Executor,
         scheduler_config: SchedulerConfig | None = None,
         grammar_compiler: GrammarCompiler | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.executor = executor
         config = scheduler_config if scheduler_config is not None else SchedulerConfig()
@@ -66,7 +74,14 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler)
+        connector = None
+        if kv_transfer_config is not None:
+            store = executor.kv_transfer_store
+            if store is None:
+                raise ValueError("kv_transfer_config needs an executor built with the same config")
+            hasher = self.kv_cache_manager.hasher
+            connector = TieredConnectorScheduler(kv_transfer_config, store, hasher)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler, connector)
 
     @property
     def max_num_tokens(self) -> int:
@@ -107,7 +122,7 @@ class EngineCore:
         if not scheduler.running and not scheduler.waiting:
             # Only requests waiting for their grammars, if any: wait a little for the first.
             scheduler.poll_grammars(_GRAMMAR_WAIT_S)
-            if not scheduler.waiting:
+            if not scheduler.waiting and not scheduler.has_kv_loads():
                 return scheduler.take_pending_outputs()
         scheduler_output = scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)

@@ -6,6 +6,7 @@ import enum
 
 import msgspec
 
+from ember_kv_cache import KVConnectorStats
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    kv_connector_stats: KVConnectorStats | None = None  # with a KV connector: lookups and tiers
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

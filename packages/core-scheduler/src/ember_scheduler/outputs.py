@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ember_kv_cache import KVConnectorMetadata, KVConnectorOutput
 from ember_scheduler.sampling_params import SamplingParams
 
 
@@ -65,6 +66,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     num_common_prefix_blocks: int = 0
     finished_req_ids: set[str] = msgspec.field(default_factory=set)  # worker drops these
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)  # and these
+    kv_connector_metadata: KVConnectorMetadata | None = None  # KV loads and saves to run
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
@@ -80,3 +82,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: Logprobs | None = None  # one row per sampled token, in req_ids order
     prompt_logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None  # KV loads that finished

@@ -18,10 +18,11 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_FSM = 1  # its structured-output grammar is compiling; not in the waiting queue
     RUNNING = 2
     PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_IGNORED = 7
+    WAITING_FOR_REMOTE_KVS = 4  # holds blocks while a KV connector loads its prefix into them
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_IGNORED = 8
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -45,16 +46,22 @@ _TRANSITIONS = {
     RequestStatus.WAITING: {
         RequestStatus.WAITING_FOR_FSM,
         RequestStatus.RUNNING,
+        RequestStatus.WAITING_FOR_REMOTE_KVS,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_IGNORED,
     },
+    RequestStatus.WAITING_FOR_REMOTE_KVS: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {
         RequestStatus.PREEMPTED,
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
     },
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.PREEMPTED: {
+        RequestStatus.RUNNING,
+        RequestStatus.WAITING_FOR_REMOTE_KVS,
+        RequestStatus.FINISHED_ABORTED,
+    },
 }
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
-from ember_kv_cache import KVCacheManager
+from ember_kv_cache import KVCacheManager, TieredConnectorScheduler
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_types import (
     EngineCoreOutput,
@@ -24,6 +24,7 @@ from ember_scheduler.engine_types import (
     FinishReason,
     SchedulerStats,
 )
+from ember_scheduler.kv_transfer import KVTransferScheduling
 from ember_scheduler.outputs import (
     CachedRequestData,
     Logprobs,
@@ -54,6 +55,9 @@ class Scheduler:
     A request with structured outputs waits in ``WAITING_FOR_FSM``, outside the waiting queue,
     until ``grammar_compiler`` has compiled its grammar (others keep running meanwhile); it then
     joins the queue, or finishes as aborted, with the reason, when its grammar fails to compile.
+
+    With a ``kv_connector``, prompts continue from its tier store past the local prefix hit,
+    and computed chunks are saved to it (``kv_transfer.py``).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         grammar_compiler: GrammarCompiler | None = None,
+        kv_connector: TieredConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.grammar_compiler = grammar_compiler
@@ -80,6 +85,9 @@ class Scheduler:
         # Outputs of requests that finished outside a model step (ignored ones).
         self._pending_outputs: list[EngineCoreOutput] = []
         self._num_preemptions = 0
+        self.kv_transfer = (
+            KVTransferScheduling(kv_connector, kv_cache_manager) if kv_connector else None
+        )
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -147,9 +155,12 @@ class Scheduler:
                 self.finished_req_ids.add(request_id)
             elif request.status == _WAITING_FOR_FSM:
                 removed_compiling = True
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove_request(request)
+            # A request still loading keeps its blocks until the worker has written them.
             request.set_status(status)
+            if self.kv_transfer is not None and request_id not in self.kv_transfer.loading:
+                self.kv_transfer.request_finished(request)
         if removed_running:
             self.running = [r for r in self.running if r not in removed_running]
         if removed_compiling:
@@ -162,8 +173,13 @@ class Scheduler:
             bool(self.running)
             or bool(self.waiting)
             or bool(self.waiting_for_grammar)
+            or self.has_kv_loads()
             or bool(self._pending_outputs)
         )
+
+    def has_kv_loads(self) -> bool:
+        """Whether requests wait for a KV connector to load their KV."""
+        return self.kv_transfer is not None and bool(self.kv_transfer.loading)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -229,6 +245,11 @@ class Scheduler:
             )
         finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        kv_connector_metadata = None
+        if self.kv_transfer is not None:
+            kv_connector_metadata = self.kv_transfer.build_connector_meta(
+                self.running, num_scheduled_tokens
+            )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -238,6 +259,7 @@ class Scheduler:
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
+            kv_connector_metadata=kv_connector_metadata,
         )
 
     def _schedule_running(
@@ -338,10 +360,22 @@ class Scheduler:
             req_id = request.request_id
             token_ids = request.all_token_ids
             computed = None
-            num_computed = 0
+            # Nonzero only for a request whose KV a connector loaded: it holds its blocks.
+            num_computed = request.num_computed_tokens
             # Prompt logprobs need logits at every prompt position, so no prefix-cache hits.
-            if config.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            if (
+                not num_computed
+                and config.enable_prefix_caching
+                and request.sampling_params.prompt_logprobs is None
+            ):
                 computed = kv.get_computed_blocks(req_id, token_ids, request.block_hash_extras)
+                if self.kv_transfer is not None:
+                    loading = self.kv_transfer.start_load(request, computed)
+                    if loading is None:
+                        break
+                    if loading:
+                        self.waiting.pop_request()
+                        continue
                 num_computed = computed.num_computed_tokens
             num_new = len(token_ids) - num_computed
             if 0 < config.long_prefill_token_threshold < num_new:
@@ -359,6 +393,7 @@ class Scheduler:
                 req_id,
                 token_ids,
                 num_new,
+                num_computed_tokens=0 if computed is not None else num_computed,
                 computed=computed,
                 num_lookahead_tokens=num_lookahead,
                 extras=request.block_hash_extras,
@@ -476,7 +511,12 @@ class Scheduler:
                 self.kv_cache_manager.free(request.request_id)
                 del self.requests[request.request_id]
                 self.finished_req_ids.add(request.request_id)
+                if self.kv_transfer is not None:
+                    self.kv_transfer.request_finished(request)
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if self.kv_transfer is not None:
+            for request in self.kv_transfer.finish_loads(model_runner_output.kv_connector_output):
+                self.waiting.prepend_request(request)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()
         )
@@ -543,6 +583,7 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
+            kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
         )
 
 

@@ -3,6 +3,14 @@ tiered (CPU, disk, Redis) store for KV chunks shared across engines."""
 
 from ember_kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from ember_kv_cache.block_pool import BlockPool
+from ember_kv_cache.connector import (
+    ChunkTransfer,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVTransferConfig,
+    TieredConnectorScheduler,
+)
 from ember_kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from ember_kv_cache.hashing import HASH_ALGOS, BlockHasher, BlockHashExtras, MultiModalItem
 from ember_kv_cache.manager import ComputedBlocks, KVCacheManager
@@ -22,18 +30,24 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CPUTier",
+    "ChunkTransfer",
     "ComputedBlocks",
     "DiskTier",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorStats",
+    "KVTransferConfig",
     "LayoutFingerprint",
     "MultiModalItem",
     "PrefixCacheStats",
     "RedisTier",
     "TierStats",
     "TierUnavailable",
+    "TieredConnectorScheduler",
     "TieredKVStore",
     "make_tier",
 ]

@@ -131,9 +131,14 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         extras: BlockHashExtras | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens (plus ``num_lookahead_tokens``
         speculative slots) and cache every newly full block.
+
+        With ``delay_cache_blocks`` the new tokens' blocks are not cached yet: their KV is still
+        to arrive (from a KV connector); a later call with ``num_computed_tokens`` past them
+        caches them.
 
         Returns the ids of the newly allocated blocks (possibly ``[]``), or ``None`` when the
         pool cannot serve the request, in which case nothing changed.
@@ -147,7 +152,12 @@ class KVCacheManager:
         if not counts_ok:
             raise ValueError(_bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
         state = self._requests.get(request_id)
-        if state is not None and computed is None and (extras is None or extras is state.extras):
+        if (
+            state is not None
+            and computed is None
+            and not delay_cache_blocks
+            and (extras is None or extras is state.extras)
+        ):
             # The common path of a running request: its blocks have room, no block fills up.
             end = num_computed_tokens + num_new_tokens
             if end + num_lookahead_tokens <= state.capacity and (
@@ -163,6 +173,7 @@ class KVCacheManager:
             computed,
             num_lookahead_tokens,
             extras,
+            delay_cache_blocks,
         )
 
     def _allocate_slots(
@@ -175,6 +186,7 @@ class KVCacheManager:
         computed: ComputedBlocks | None,
         num_lookahead_tokens: int,
         extras: BlockHashExtras | None,
+        delay_cache_blocks: bool,
     ) -> list[int] | None:
         if extras is not None and not isinstance(extras, BlockHashExtras):
             raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
@@ -214,7 +226,8 @@ class KVCacheManager:
         request_extras = state.extras if state is not None else extras
         new_full_blocks = []
         if self.enable_caching:
-            num_full_blocks = min(len(token_ids), num_total_computed + num_new_tokens) // size
+            num_cacheable = num_total_computed + (0 if delay_cache_blocks else num_new_tokens)
+            num_full_blocks = min(len(token_ids), num_cacheable) // size
             new_full_blocks = self._hash_new_full_blocks(
                 token_ids, known_hashes, num_full_blocks, request_extras
             )

@@ -206,8 +206,7 @@ class RedisTier:
                 "the Redis tier needs the redis package; install it with "
                 "pip install 'ember-kv-cache[redis]'"
             ) from exc
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis tier: url must be a redis:// URL, got {url!r}")
+        check_tier_spec({"type": "redis", "url": url})
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout
@@ -237,9 +236,8 @@ class RedisTier:
         self._client.close()
 
 
-def make_tier(spec: dict) -> KVTier:
-    """A tier from its configuration: ``{"type": "cpu", "max_bytes": N}``,
-    ``{"type": "disk", "path": DIR, "max_bytes": N}`` or ``{"type": "redis", "url": URL}``."""
+def check_tier_spec(spec: object) -> None:
+    """Validate a tier's configuration without building it (a ValueError names the key)."""
     if not isinstance(spec, dict):
         raise ValueError(f"a tier must be a dict with a 'type', got {spec!r}")
     kind = spec.get("type")
@@ -249,10 +247,23 @@ def make_tier(spec: dict) -> KVTier:
     unknown = set(spec) - allowed[kind] - {"type"}
     if unknown:
         raise ValueError(f"{kind} tier: unknown keys {sorted(unknown)}")
-    if kind == "cpu":
-        return CPUTier(spec.get("max_bytes"))
-    if kind == "disk":
-        if not isinstance(spec.get("path"), str) or not spec["path"]:
-            raise ValueError(f"disk tier: path must be a directory name, got {spec.get('path')!r}")
-        return DiskTier(spec["path"], spec.get("max_bytes"))
-    return RedisTier(spec.get("url"), spec.get("key_prefix", "ember:kv:"))
+    if kind in ("cpu", "disk"):
+        _check_max_bytes(kind, spec.get("max_bytes"))
+    if kind == "disk" and (not isinstance(spec.get("path"), str) or not spec["path"]):
+        raise ValueError(f"disk tier: path must be a directory name, got {spec.get('path')!r}")
+    url = spec.get("url")
+    if kind == "redis" and (
+        not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
+    ):
+        raise ValueError(f"redis tier: url must be a redis:// URL, got {url!r}")
+
+
+def make_tier(spec: dict) -> KVTier:
+    """A tier from its configuration: ``{"type": "cpu", "max_bytes": N}``,
+    ``{"type": "disk", "path": DIR, "max_bytes": N}`` or ``{"type": "redis", "url": URL}``."""
+    check_tier_spec(spec)
+    if spec["type"] == "cpu":
+        return CPUTier(spec["max_bytes"])
+    if spec["type"] == "disk":
+        return DiskTier(spec["path"], spec["max_bytes"])
+    return RedisTier(spec["url"], spec.get("key_prefix", "ember:kv:"))

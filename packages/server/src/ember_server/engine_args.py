@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+
+from ember_kv_cache import KVTransferConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -40,6 +43,8 @@ class EngineArgs:
     on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
     ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
     the engine) as the cores available minus one for the front end, at least one.
+    ``kv_transfer_config`` is vLLM's: ``{"kv_connector": "TieredConnector", "kv_role":
+    "kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}``.
     """
 
     model: str
@@ -55,6 +60,7 @@ class EngineArgs:
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority": lower ``priority`` values run first
     num_threads: int | None = None
+    kv_transfer_config: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -79,6 +85,17 @@ class EngineArgs:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)
+            if not self.enable_prefix_caching:
+                raise ValueError("EngineArgs.kv_transfer_config needs enable_prefix_caching")
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """``kv_transfer_config``, validated (None without one)."""
+        if self.kv_transfer_config is None:
+            return None
+        return KVTransferConfig.from_dict(self.kv_transfer_config)
 
     @property
     def model_name(self) -> str:
@@ -139,6 +156,14 @@ class EngineArgs:
             default=None,
             help="torch CPU threads of the engine; default: available cores minus one, at least 1.",
         )
+        group.add_argument(
+            "--kv-transfer-config",
+            type=_json_object,
+            default=None,
+            help='KV connector as JSON, e.g. \'{"kv_connector": "TieredConnector", "kv_role": '
+            '"kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"type": '
+            '"disk", "path": "/tmp/kv", "max_bytes": 10000000000}]}}\'.',
+        )
         return parser
 
     @classmethod
@@ -146,3 +171,13 @@ class EngineArgs:
         """Build from a namespace parsed with ``add_cli_args`` (extra attributes are ignored)."""
         values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
         return cls(**values)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

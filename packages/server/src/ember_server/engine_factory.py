@@ -40,6 +40,7 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         kv_cache_memory=kv_cache_memory,
         seed=args.seed,
         num_threads=args.num_threads or default_num_threads(),
+        kv_transfer_config=args.kv_transfer,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -48,4 +49,4 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> EngineCore:
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
     )
-    return EngineCore(executor, scheduler_config, executor.grammar_compiler)
+    return EngineCore(executor, scheduler_config, executor.grammar_compiler, args.kv_transfer)

@@ -6,8 +6,10 @@ import os
 
 import torch
 
+from ember_kv_cache import KVTransferConfig, TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.kv_cache import kv_cache_budget
+from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
@@ -22,7 +24,9 @@ class InProcessExecutor:
     reports the block count as ``num_kv_blocks``. ``grammar_compiler`` compiles structured-output
     specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
     ``num_threads`` sets torch's (process-wide)
-    intra-op thread count; None leaves it alone.
+    intra-op thread count; None leaves it alone. With ``kv_transfer_config`` the runner moves
+    KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
+    ``prefix_caching_hash_algo``'s chain hashes (the scheduler's).
     """
 
     def __init__(
@@ -41,6 +45,8 @@ class InProcessExecutor:
         tensor_parallel_size: int = 1,
         device: str | torch.device | None = None,
         num_threads: int | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
+        prefix_caching_hash_algo: str = "sha256",
     ) -> None:
         tp = TensorParallelGroup(rank=0, size=tensor_parallel_size)
         for name, value in (
@@ -89,6 +95,16 @@ class InProcessExecutor:
         self._num_kv_blocks = self.model_runner.kv_cache_spec.num_blocks_for(budget)
         self.model_runner.initialize_kv_cache(self._num_kv_blocks)
         self._block_size = block_size
+        self._kv_transfer_store = None
+        if kv_transfer_config is not None:
+            spec = self.model_runner.kv_cache_spec
+            fingerprint = layout_fingerprint(
+                loaded.path, spec, kv_transfer_config, prefix_caching_hash_algo, tp.rank
+            )
+            self._kv_transfer_store = kv_transfer_config.make_store(fingerprint)
+            self.model_runner.register_kv_connector(
+                TieredConnectorWorker(self._kv_transfer_store, spec, kv_transfer_config.chunk_size)
+            )
 
     @property
     def num_kv_blocks(self) -> int:
@@ -102,6 +118,10 @@ class InProcessExecutor:
     def vocab_size(self) -> int:
         return self.loaded.config.vocab_size
 
+    @property
+    def kv_transfer_store(self) -> TieredKVStore | None:
+        return self._kv_transfer_store
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.model_runner is None:
             raise RuntimeError("InProcessExecutor.execute_model called after shutdown()")
@@ -109,5 +129,7 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         """Release the KV cache and the model (the executor is unusable afterwards)."""
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
         self.model_runner = None
         self.grammar_compiler.shutdown()

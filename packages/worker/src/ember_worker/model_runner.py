@@ -17,6 +17,7 @@ import ember_kernels as ek
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.kv_connector import TieredConnectorWorker
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
@@ -65,13 +66,29 @@ class ModelRunner:
             dtype=loaded.dtype,
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_connector: TieredConnectorWorker | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches)
 
+    def register_kv_connector(self, connector: TieredConnectorWorker) -> None:
+        """Move KV chunks between this runner's cache and a tier store (after initialize)."""
+        connector.register_kv_caches(self.kv_caches)
+        self.kv_connector = connector
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_model(scheduler_output)
+        connector.start_step(scheduler_output.kv_connector_metadata)
+        output = self._execute_model(scheduler_output)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        output.kv_connector_output = connector.finish_step(idle)
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.scheduled_spec_decode_tokens:
             raise NotImplementedError(
                 "speculative decoding is not implemented in the model runner "
