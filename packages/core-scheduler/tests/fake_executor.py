@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ember_kv_cache import KVConnectorOutput, TieredKVStore
 from ember_scheduler import (
     Logprobs,
     ModelRunnerOutput,
@@ -90,7 +91,15 @@ class _WorkerRequest:
 class FakeExecutor:
     """Deterministic stand-in for the worker's executor (see the module docstring)."""
 
-    def __init__(self, num_kv_blocks: int, block_size: int, *, num_spec_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        num_kv_blocks: int,
+        block_size: int,
+        *,
+        num_spec_tokens: int = 0,
+        kv_transfer_store: TieredKVStore | None = None,
+        load_delay_steps: int = 0,
+    ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab_size = VOCAB_SIZE
@@ -99,9 +108,18 @@ class FakeExecutor:
         self.requests: dict[str, _WorkerRequest] = {}
         self.scheduler_outputs: list[SchedulerOutput] = []
         self.is_shut_down = False
+        # The worker side of a KV connector, over the fake cache: a chunk is its token ids.
+        self.kv_transfer_store = kv_transfer_store
+        self.load_delay_steps = load_delay_steps
+        self._loads: list[tuple[int, object]] = []  # (step it finishes, ChunkTransfer)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.scheduler_outputs.append(so)
+        step = len(self.scheduler_outputs)
+        if so.kv_connector_metadata is not None:
+            self._loads += [
+                (step + self.load_delay_steps, t) for t in so.kv_connector_metadata.loads
+            ]
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             assert req_id in self.requests, f"worker told to drop unknown request {req_id}"
             del self.requests[req_id]
@@ -145,6 +163,9 @@ class FakeExecutor:
             if plp is not None:
                 prompt_logprobs[req_id] = plp
         rows = [t for tokens in sampled for t in tokens]
+        kv_connector_output = None
+        if so.kv_connector_metadata is not None:
+            kv_connector_output = self._transfer_kv(so.kv_connector_metadata, step)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -156,7 +177,38 @@ class FakeExecutor:
             ),
             prompt_logprobs=prompt_logprobs,
             spec_token_ids=spec if self.num_spec_tokens else None,
+            kv_connector_output=kv_connector_output,
         )
+
+    def _chunk_slots(self, transfer, index: int) -> tuple[np.ndarray, np.ndarray]:
+        chunk_size = self.kv_transfer_store.fingerprint.chunk_size
+        positions = np.arange(index * chunk_size, (index + 1) * chunk_size)
+        table = np.asarray(transfer.block_ids, dtype=np.int64)
+        return table[positions // self.block_size], positions % self.block_size
+
+    def _transfer_kv(self, meta, step: int) -> KVConnectorOutput:
+        """Save the step's completed chunks; finish the loads that are due."""
+        store = self.kv_transfer_store
+        for transfer in meta.saves:
+            for offset, chunk_hash in enumerate(transfer.chunk_hashes):
+                store.put(
+                    chunk_hash, self.kv[self._chunk_slots(transfer, transfer.first_chunk + offset)]
+                )
+        output = KVConnectorOutput()
+        due = [t for ready, t in self._loads if ready <= step]
+        self._loads = [(ready, t) for ready, t in self._loads if ready > step]
+        chunk_size = store.fingerprint.chunk_size
+        for transfer in due:
+            in_place = transfer.first_chunk * chunk_size + transfer.skip_tokens
+            for offset, chunk_hash in enumerate(transfer.chunk_hashes):
+                chunk = store.get(chunk_hash)
+                if chunk is None:
+                    break
+                index = transfer.first_chunk + offset
+                self.kv[self._chunk_slots(transfer, index)] = chunk
+                in_place = (index + 1) * chunk_size
+            output.finished_loading[transfer.request_id] = in_place
+        return output
 
     def _write_kv(
         self, req_id: str, state: _WorkerRequest, num_tokens: int, drafts: list[int]

@@ -1,0 +1,126 @@
+"""The scheduler with a tiered KV connector, over the fake executor's token-id KV cache.
+
+The fake worker saves chunks of its cache to a real ``TieredKVStore`` and loads them back into a
+request's blocks; its forward asserts that the cache holds the right tokens, so a wrong load,
+a block cached before its KV arrived, or a wrong computed count fails.
+"""
+
+from __future__ import annotations
+
+import random
+
+from fake_executor import FakeExecutor, make_request, reference_output, run_to_completion
+
+from ember_kv_cache import CPUTier, KVTransferConfig, LayoutFingerprint, TieredKVStore
+from ember_scheduler import EngineCore, RequestStatus, SamplingParams, SchedulerConfig
+
+BLOCK, CHUNK = 4, 8
+PARAMS = SamplingParams(max_tokens=6)
+
+
+def _store() -> TieredKVStore:
+    return TieredKVStore([CPUTier(10**7)], LayoutFingerprint("fake", "int64", BLOCK, 1, 1, 1,
+                                                             chunk_size=CHUNK))  # fmt: skip
+
+
+def _engine(store, role="kv_both", load_delay_steps=0, **config):
+    executor = FakeExecutor(64, BLOCK, kv_transfer_store=store, load_delay_steps=load_delay_steps)
+    kv_transfer = KVTransferConfig.from_dict({
+        "kv_connector": "TieredConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "max_bytes": 1}]},
+    })  # fmt: skip
+    config.setdefault("max_model_len", 256)
+    return EngineCore(executor, SchedulerConfig(**config), kv_transfer), executor
+
+
+def _computed_tokens(executor, req_id) -> int:
+    return sum(so.num_scheduled_tokens.get(req_id, 0) for so in executor.scheduler_outputs)
+
+
+def _prompts(count, length=29, seed=0):
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.randrange(1, 97) for _ in range(length)] for i in range(count)}
+
+
+def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail():
+    store = _store()
+    prompts = _prompts(3)
+    first, _ = _engine(store, role="kv_producer")
+    for rid, prompt in prompts.items():
+        first.add_request(make_request(rid, prompt, PARAMS))
+    run_to_completion(first)
+    second, executor = _engine(store, role="kv_consumer")
+    for rid, prompt in prompts.items():
+        second.add_request(make_request(rid, prompt, PARAMS))
+    results, stats = run_to_completion(second)
+    for rid, prompt in prompts.items():
+        assert results[rid].token_ids == reference_output(prompt, PARAMS, 256)[0]
+        assert results[rid].num_cached_tokens == 24  # 3 whole chunks of the 29-token prompt
+        assert _computed_tokens(executor, rid) == 29 - 24 + len(results[rid].token_ids) - 1
+    loaded = sum(s.kv_connector_stats.loaded_tokens for s in stats)
+    assert loaded == 3 * 24
+    assert second.kv_cache_manager.usage == 0.0
+
+
+def test_a_loading_request_waits_without_blocking_others():
+    store = _store()
+    prompt = _prompts(1)["r0"]
+    warm, _ = _engine(store)
+    warm.add_request(make_request("warm", prompt, PARAMS))
+    run_to_completion(warm)
+    engine, _ = _engine(store, load_delay_steps=3)
+    engine.add_request(make_request("loads", prompt, PARAMS))
+    engine.add_request(make_request("other", [5, 6, 7], PARAMS))
+    [first_step] = engine.step().outputs
+    assert engine.scheduler.requests["loads"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert first_step.request_id == "other"  # it ran while the other request waited
+    results, _ = run_to_completion(engine)
+    assert results["loads"].token_ids == reference_output(prompt, PARAMS, 256)[0]
+    other = first_step.new_token_ids + results["other"].token_ids
+    assert other == reference_output([5, 6, 7], PARAMS, 256)[0]
+    assert results["loads"].num_cached_tokens == 24
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_chunk_gone_before_the_load_is_recomputed():
+    store = _store()
+    prompt = _prompts(1)["r0"]
+    warm, _ = _engine(store)
+    warm.add_request(make_request("warm", prompt, PARAMS))
+    run_to_completion(warm)
+    engine, executor = _engine(store, load_delay_steps=1)
+    engine.add_request(make_request("r", prompt, PARAMS))
+    engine.step()  # found all 3 chunks; now the second disappears before the worker reads it
+    store.evict(engine.scheduler.kv_transfer.connector._requests["r"].block_hashes[3])
+    results, _ = run_to_completion(engine)
+    assert results["r"].token_ids == reference_output(prompt, PARAMS, 256)[0]
+    assert results["r"].num_cached_tokens == 8
+    assert _computed_tokens(executor, "r") == 29 - 8 + len(results["r"].token_ids) - 1
+
+
+def test_abort_while_loading_frees_the_blocks_once_the_load_ends():
+    store = _store()
+    prompt = _prompts(1)["r0"]
+    warm, _ = _engine(store)
+    warm.add_request(make_request("warm", prompt, PARAMS))
+    run_to_completion(warm)
+    engine, _ = _engine(store, load_delay_steps=2)
+    engine.add_request(make_request("r", prompt, PARAMS))
+    engine.step()
+    engine.abort_requests("r")
+    assert engine.kv_cache_manager.usage > 0.0  # the worker may still be writing them
+    run_to_completion(engine)
+    assert engine.kv_cache_manager.usage == 0.0
+    assert not engine.scheduler.kv_transfer.loading
+
+
+def test_chunked_prefill_saves_every_chunk_once():
+    store = _store()
+    prompt = _prompts(1, length=45)["r0"]
+    engine, executor = _engine(store, role="kv_producer", max_num_batched_tokens=10)
+    engine.add_request(make_request("r", prompt, PARAMS))
+    run_to_completion(engine)
+    saved = [h for so in executor.scheduler_outputs for t in so.kv_connector_metadata.saves
+             for h in t.chunk_hashes]  # fmt: skip
+    assert len(saved) == len(set(saved)) == (45 + PARAMS.max_tokens - 1) // CHUNK
