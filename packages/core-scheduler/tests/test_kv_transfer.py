@@ -63,12 +63,18 @@ def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail(
     assert second.kv_cache_manager.usage == 0.0
 
 
-def test_a_loading_request_waits_without_blocking_others():
+def _stored_prompt() -> tuple[TieredKVStore, list[int]]:
+    """A store holding the chunks of a 29-token prompt, which another engine computed."""
     store = _store()
     prompt = _prompts(1)["r0"]
     warm, _ = _engine(store)
     warm.add_request(make_request("warm", prompt, PARAMS))
     run_to_completion(warm)
+    return store, prompt
+
+
+def test_a_loading_request_waits_without_blocking_others():
+    store, prompt = _stored_prompt()
     engine, _ = _engine(store, load_delay_steps=3)
     engine.add_request(make_request("loads", prompt, PARAMS))
     engine.add_request(make_request("other", [5, 6, 7], PARAMS))
@@ -84,11 +90,7 @@ def test_a_loading_request_waits_without_blocking_others():
 
 
 def test_a_chunk_gone_before_the_load_is_recomputed():
-    store = _store()
-    prompt = _prompts(1)["r0"]
-    warm, _ = _engine(store)
-    warm.add_request(make_request("warm", prompt, PARAMS))
-    run_to_completion(warm)
+    store, prompt = _stored_prompt()
     engine, executor = _engine(store, load_delay_steps=1)
     engine.add_request(make_request("r", prompt, PARAMS))
     engine.step()  # found all 3 chunks; now the second disappears before the worker reads it
@@ -100,11 +102,7 @@ def test_a_chunk_gone_before_the_load_is_recomputed():
 
 
 def test_abort_while_loading_frees_the_blocks_once_the_load_ends():
-    store = _store()
-    prompt = _prompts(1)["r0"]
-    warm, _ = _engine(store)
-    warm.add_request(make_request("warm", prompt, PARAMS))
-    run_to_completion(warm)
+    store, prompt = _stored_prompt()
     engine, _ = _engine(store, load_delay_steps=2)
     engine.add_request(make_request("r", prompt, PARAMS))
     engine.step()

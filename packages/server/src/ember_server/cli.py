@@ -1,4 +1,4 @@
-"""The ``ember`` command: ``ember serve``, ``ember generate`` and ``ember bench``.
+"""The ``ember`` command: ``ember serve``, ``ember generate``, ``ember proxy`` and ``ember bench``.
 
 Without a model, every command uses Ember's built-in demo model: a tiny Llama (about 5 MB) with
 random weights and a real byte-level BPE tokenizer, written offline on first use by
@@ -89,6 +89,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from ember_server.pd_proxy import run_proxy
+
+    for name in ("prefill", "decode"):
+        if not getattr(args, name).startswith(("http://", "https://")):
+            raise SystemExit(f"ember proxy: error: --{name} must be an http:// URL")
+    asyncio.run(run_proxy(args.prefill, args.decode, args.host, args.port))
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Ember LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -122,6 +132,15 @@ def make_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--chat", action="store_true", help="Send each prompt as a user message.")
     generate.set_defaults(handler=_generate, needs_model=True)
+
+    proxy = commands.add_parser(
+        "proxy", help="Prefill/decode disaggregation: route each request to two servers."
+    )
+    proxy.add_argument("--prefill", required=True, help="Base URL of the kv_producer server.")
+    proxy.add_argument("--decode", required=True, help="Base URL of the kv_consumer server.")
+    proxy.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    proxy.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000).")
+    proxy.set_defaults(handler=_proxy, needs_model=False)
 
     from ember_server.bench import latency, throughput
     from ember_server.bench import serve as bench_serve

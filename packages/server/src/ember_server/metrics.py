@@ -13,11 +13,14 @@ import dataclasses
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ember_kv_cache import KVConnectorStats
 from ember_scheduler.engine_types import SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5)  # fmt: skip
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
 
@@ -83,6 +86,7 @@ class EngineMetrics:
             registry=r,
         )
         self._model_name = model_name
+        self._kv_connector = _KVConnectorMetrics(r, model_name)
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -91,6 +95,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
+        if stats.kv_connector_stats is not None:
+            self._kv_connector.record(stats.kv_connector_stats)
 
     def record_iteration(self, stats: IterationStats) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -107,3 +113,63 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector (serve with ``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
+
+
+class _KVConnectorMetrics:
+    """The KV connector's lookups, and each tier's traffic, labelled by ``tier``."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name", "tier"]
+        self._model_name = model_name
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=registry)
+
+        self.lookup_tokens = Counter(
+            "ember:kv_connector_lookup_tokens",
+            "Prompt tokens past the local prefix hit looked up in the KV tiers.",
+            ["model_name"],
+            registry=registry,
+        ).labels(model_name)
+        self.matched_tokens = Counter(
+            "ember:kv_connector_matched_tokens",
+            "Of those, tokens found in the KV tiers.",
+            ["model_name"],
+            registry=registry,
+        ).labels(model_name)
+        self.loaded_tokens = Counter(
+            "ember:kv_connector_loaded_tokens",
+            "Tokens loaded from the KV tiers into the KV cache (not computed).",
+            ["model_name"],
+            registry=registry,
+        ).labels(model_name)
+        self.queries = counter("ember:kv_tier_queries", "KV chunks looked up in the tier.")
+        self.hits = counter("ember:kv_tier_hits", "KV chunks found (and valid) in the tier.")
+        self.bytes_loaded = counter("ember:kv_tier_bytes_loaded", "Bytes read from the tier.")
+        self.bytes_stored = counter("ember:kv_tier_bytes_stored", "Bytes written to the tier.")
+        self.invalid_entries = counter(
+            "ember:kv_tier_invalid_entries", "Damaged or foreign entries dropped (misses)."
+        )
+        self.errors = counter("ember:kv_tier_errors", "Failures of the tier's backend (misses).")
+        self.load_seconds = Histogram(
+            "ember:kv_tier_load_seconds", "Time to read one KV chunk.", labels,
+            buckets=_TRANSFER_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.store_seconds = Histogram(
+            "ember:kv_tier_store_seconds", "Time to write one KV chunk.", labels,
+            buckets=_TRANSFER_BUCKETS, registry=registry,
+        )  # fmt: skip
+
+    def record(self, stats: KVConnectorStats) -> None:
+        self.lookup_tokens.inc(stats.lookup_tokens)
+        self.matched_tokens.inc(stats.matched_tokens)
+        self.loaded_tokens.inc(stats.loaded_tokens)
+        for tier, tier_stats in stats.tiers.items():
+            labels = (self._model_name, tier)
+            for name in ("queries", "hits", "bytes_loaded", "bytes_stored", "invalid_entries",
+                         "errors"):  # fmt: skip
+                getattr(self, name).labels(*labels).inc(getattr(tier_stats, name))
+            for value in tier_stats.load_seconds:
+                self.load_seconds.labels(*labels).observe(value)
+            for value in tier_stats.store_seconds:
+                self.store_seconds.labels(*labels).observe(value)

@@ -1,0 +1,203 @@
+"""KV connectors end to end: tier hits across engine processes, prefill/decode disaggregation,
+and faults (damaged, truncated and foreign entries, Redis killed mid-run, a full disk tier).
+
+Greedy outputs with the connector must equal those of an engine without it, token for token;
+what the connector saved the engine from computing shows in ``num_cached_tokens`` and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from ember_kv_cache import LayoutFingerprint
+from ember_kv_cache.tier_entry import encode_entry
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.llm import LLM
+
+CHUNK = 64
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+KV_MEMORY = 1 << 23
+
+
+def transfer_config(role: str, *tiers: dict) -> dict:
+    return {
+        "kv_connector": "TieredConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": list(tiers)},
+    }
+
+
+def disk(path, max_bytes=1 << 30) -> dict:
+    return {"type": "disk", "path": str(path), "max_bytes": max_bytes}
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % 1800 for i in range(length)]
+
+
+def run(llm: LLM, token_ids: list[int]):
+    [output] = llm.generate({"prompt_token_ids": token_ids}, GREEDY, use_tqdm=False)
+    return output.outputs[0].token_ids, output.num_cached_tokens
+
+
+def metric(llm: LLM, name: str, tier: str | None = None) -> float:
+    labels = {"model_name": llm.model_config.served_model_name}
+    if tier is not None:
+        labels["tier"] = tier
+    return llm.metrics.registry.get_sample_value(name + "_total", labels) or 0.0
+
+
+_ENGINE_SCRIPT = """
+import json, sys
+from ember_scheduler.sampling_params import SamplingParams
+from ember_server.llm import LLM
+model, config, token_ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23)
+[out] = llm.generate({"prompt_token_ids": token_ids},
+                     SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+registry, name = llm.metrics.registry, llm.model_config.served_model_name
+tier = config["kv_connector_extra_config"]["tiers"][-1]["type"]
+print(json.dumps({
+    "tokens": out.outputs[0].token_ids,
+    "cached": out.num_cached_tokens,
+    "loaded": registry.get_sample_value("ember:kv_connector_loaded_tokens_total",
+                                        {"model_name": name}),
+    "tier_hits": registry.get_sample_value("ember:kv_tier_hits_total",
+                                           {"model_name": name, "tier": tier}),
+    "prompt_tokens": registry.get_sample_value("ember:prompt_tokens_total", {"model_name": name}),
+}))
+llm.engine_core.shutdown()
+"""
+
+
+def _engine_process(model, config, token_ids) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", _ENGINE_SCRIPT, str(model), json.dumps(config),
+         json.dumps(token_ids)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_fresh_engine_process_loads_a_long_prompt_another_served(
+    tier, tiny_model, tmp_path, request
+):
+    model = tiny_model("llama")
+    if tier == "disk":
+        shared = disk(tmp_path / "kv")
+    else:
+        _, url = request.getfixturevalue("redis_server")
+        shared = {"type": "redis", "url": url}
+    config = transfer_config("kv_both", {"type": "cpu", "max_bytes": 1 << 26}, shared)
+    token_ids = prompt(900)
+    first = LLM(str(model), kv_transfer_config=config, kv_cache_memory=KV_MEMORY)
+    tokens, cached = run(first, token_ids)
+    assert cached == 0 and metric(first, "ember:kv_connector_loaded_tokens") == 0
+    first.engine_core.shutdown()
+    second = _engine_process(model, config, token_ids)
+    matched = (900 - 1) // CHUNK * CHUNK  # every whole chunk but the one holding the last token
+    assert second["tokens"] == tokens
+    assert second["cached"] == second["loaded"] == matched
+    assert second["tier_hits"] == matched // CHUNK  # from the shared tier (the CPU one is new)
+    assert second["prompt_tokens"] == 900  # the front end counts the prompt either way
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_model, tmp_path):
+    model = str(tiny_model(arch))
+    shared = disk(tmp_path / "kv")
+    token_ids = prompt(300, seed=1)
+    single = LLM(model, kv_cache_memory=KV_MEMORY)
+    expected, _ = run(single, token_ids)
+    producer = LLM(model, kv_cache_memory=KV_MEMORY,
+                   kv_transfer_config=transfer_config("kv_producer", shared))  # fmt: skip
+    [prefill] = producer.generate(
+        {"prompt_token_ids": token_ids},
+        SamplingParams(max_tokens=1, temperature=0.0),
+        use_tqdm=False,
+    )
+    assert prefill.outputs[0].token_ids == expected[:1]
+    consumer = LLM(model, kv_cache_memory=KV_MEMORY,
+                   kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
+    tokens, cached = run(consumer, token_ids)
+    assert tokens == expected
+    # The decode instance computes only the prompt's last, partial chunk.
+    assert cached == (300 - 1) // CHUNK * CHUNK == 256
+    assert metric(consumer, "ember:kv_connector_loaded_tokens") == 256
+
+
+def _stored_entries(path):
+    return sorted(path.glob("*.kv"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_entry_is_recomputed_never_used(damage, tiny_model, tmp_path, caplog):
+    model = str(tiny_model("qwen2"))
+    shared = disk(tmp_path / "kv")
+    token_ids = prompt(200, seed=2)
+    producer = LLM(model, kv_cache_memory=KV_MEMORY,
+                   kv_transfer_config=transfer_config("kv_producer", shared))  # fmt: skip
+    expected, _ = run(producer, token_ids)
+    # Damage the prompt's second chunk (entries are named fingerprint-hash; find it by content).
+    consumer = LLM(model, kv_cache_memory=KV_MEMORY,
+                   kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
+    store = consumer.engine_core.executor.kv_transfer_store
+    hasher = consumer.engine_core.kv_cache_manager.hasher
+    second_chunk = hasher.hash_prefix(token_ids)[2 * CHUNK // hasher.block_size - 1]
+    file = tmp_path / "kv" / (store.fingerprint.tier_key(second_chunk) + ".kv")
+    data = bytearray(file.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        other = LayoutFingerprint("another-model", "float32", 16, 2, 2, 16, chunk_size=CHUNK)
+        data = encode_entry(other, second_chunk, b"\0" * 1000)
+    file.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ember_kv_cache.tier_store"):
+        tokens, cached = run(consumer, token_ids)
+    assert tokens == expected
+    assert cached == CHUNK  # the first chunk loaded; from the damaged one on, computed
+    assert metric(consumer, "ember:kv_tier_invalid_entries", "disk") == 1
+    assert "dropping entry" in caplog.text
+
+
+def test_redis_killed_mid_run_falls_back_to_recompute(tiny_model, redis_server, caplog):
+    process, url = redis_server
+    model = str(tiny_model("llama"))
+    shared = {"type": "redis", "url": url}
+    warm = LLM(
+        model, kv_cache_memory=KV_MEMORY, kv_transfer_config=transfer_config("kv_both", shared)
+    )
+    first, second = prompt(200, seed=3), prompt(200, seed=4)
+    expected = [run(warm, first)[0], run(warm, second)[0]]
+    engine = LLM(model, kv_cache_memory=KV_MEMORY,
+                 kv_transfer_config=transfer_config("kv_both", shared))  # fmt: skip
+    assert run(engine, first) == (expected[0], 192)  # from Redis
+    process.kill()
+    process.wait()
+    with caplog.at_level(logging.WARNING, logger="ember_kv_cache.tier_store"):
+        assert run(engine, second) == (expected[1], 0)  # recomputed, no request failed
+        assert run(engine, first)[0] == expected[0]  # the local prefix cache still serves it
+    assert "redis tier unavailable" in caplog.text
+    assert metric(engine, "ember:kv_tier_errors", "redis") >= 1
+
+
+def test_a_disk_tier_over_its_limit_stays_under_it(tiny_model, tmp_path):
+    model = str(tiny_model("llama"))
+    limit = 300_000
+    engine = LLM(model, kv_cache_memory=KV_MEMORY,
+                 kv_transfer_config=transfer_config("kv_both", disk(tmp_path, limit)))  # fmt: skip
+    reference = LLM(model, kv_cache_memory=KV_MEMORY)
+    for seed in range(6):
+        token_ids = prompt(260, seed=10 + seed)
+        assert run(engine, token_ids)[0] == run(reference, token_ids)[0]
+        assert sum(f.stat().st_size for f in _stored_entries(tmp_path)) <= limit
+    assert len(_stored_entries(tmp_path)) < 6 * 4  # older chunks were evicted
