@@ -31,7 +31,7 @@ def _engine(store, role="kv_both", load_delay_steps=0, **config):
         "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "max_bytes": 1}]},
     })  # fmt: skip
     config.setdefault("max_model_len", 256)
-    return EngineCore(executor, SchedulerConfig(**config), kv_transfer), executor
+    return EngineCore(executor, SchedulerConfig(**config), kv_transfer_config=kv_transfer), executor
 
 
 def _computed_tokens(executor, req_id) -> int:

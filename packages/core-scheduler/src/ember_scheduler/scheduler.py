@@ -577,7 +577,11 @@ class Scheduler:
         self._num_preemptions = 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting_reqs=(
+                len(self.waiting)
+                + len(self.waiting_for_grammar)
+                + (len(self.kv_transfer.loading) if self.kv_transfer else 0)
+            ),
             num_unfinished_reqs=len(self.requests),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
