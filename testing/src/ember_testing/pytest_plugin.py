@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path, tokenizer_path
+from ember_testing.tiny_models import (
+    ARCHITECTURES,
+    tiny_classifier_path,
+    tiny_model_path,
+    tokenizer_path,
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
     """Factory: ``tiny_model(arch, seed=0, **config_overrides)`` -> path of a cached HF folder."""
     return tiny_model_path
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier():
+    """Factory: ``tiny_classifier(arch, num_labels=3, seed=0, **config_overrides)`` -> path of a
+    cached ``*ForSequenceClassification`` folder."""
+    return tiny_classifier_path
 
 
 @pytest.fixture(scope="session", params=ARCHITECTURES)

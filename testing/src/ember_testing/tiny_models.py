@@ -23,7 +23,17 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(_TIED, head_dim=32),  # q/k norm is built in
 }
 
-__all__ = ["ARCHITECTURES", "tiny_model_path", "tokenizer_path"]
+# transformers' *ForSequenceClassification exists for these (Mistral's classifier is not one Ember
+# loads); the pad token id (set in every config here) lets HF find each row's last token.
+CLASSIFIER_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+__all__ = [
+    "ARCHITECTURES",
+    "CLASSIFIER_ARCHITECTURES",
+    "tiny_classifier_path",
+    "tiny_model_path",
+    "tokenizer_path",
+]
 
 
 def tiny_model_path(
@@ -37,3 +47,14 @@ def tiny_model_path(
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
+
+
+def tiny_classifier_path(
+    arch: str, num_labels: int = 3, seed: int = 0, **overrides: Any
+) -> pathlib.Path:
+    """Path of a cached tiny float32 ``*ForSequenceClassification`` model of ``arch`` (the same
+    decoder as ``tiny_model_path``'s, with a ``score`` head of ``num_labels``)."""
+    if arch not in CLASSIFIER_ARCHITECTURES:
+        raise ValueError(f"arch must be one of {CLASSIFIER_ARCHITECTURES}, got {arch!r}")
+    config = {**ARCH_CONFIGS[arch], "num_labels": num_labels, **overrides}
+    return random_model_path(arch, seed, None, sequence_classification=True, **config)

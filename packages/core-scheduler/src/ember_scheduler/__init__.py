@@ -16,6 +16,7 @@ from ember_scheduler.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.sampling_params import SamplingParams
 from ember_scheduler.scheduler import Scheduler
@@ -35,6 +36,7 @@ __all__ = [
     "Logprobs",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PoolingParams",
     "Request",
     "RequestStatus",
     "SamplingParams",

@@ -8,6 +8,7 @@ import msgspec
 
 from ember_kv_cache import KVConnectorStats
 from ember_scheduler.outputs import Logprobs
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None
     lora_name: str | None = None
+    # Set for a pooling request: it returns pooled hidden states after its prompt and samples
+    # nothing (its sampling_params are ignored).
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -47,6 +51,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None  # the stop token id (or string, set by the front end)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_detail: str | None = None  # why, in words, where the reason alone does not say (IGNORED)
+    pooling_output: bytes | None = None  # a pooling request's result: float32, little-endian
 
     @property
     def finished(self) -> bool:

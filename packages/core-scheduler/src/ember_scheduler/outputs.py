@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from ember_kv_cache import KVConnectorMetadata, KVConnectorOutput
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     # The EOS id the request stops at (None: none, or ignore_eos); the sampler masks it, and the
     # request's stop_token_ids, until the request has min_tokens outputs.
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: pool, never sample
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -83,3 +85,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, Logprobs] = msgspec.field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
     kv_connector_output: KVConnectorOutput | None = None  # KV loads that finished
+    # Pooling requests whose prompt completed this step: the pooled vector as float32 bytes
+    # (little-endian). Their sampled_token_ids rows are empty.
+    pooler_output: dict[str, bytes] = msgspec.field(default_factory=dict)

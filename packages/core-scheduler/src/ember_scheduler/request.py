@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 from ember_kv_cache import BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, FinishReason
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
 
@@ -72,6 +73,8 @@ class Request:
     (and hashes its full blocks) without copying. ``num_computed_tokens`` counts the tokens whose
     KV is in the cache or scheduled to be; ``spec_token_ids`` holds draft tokens to verify next.
     ``grammar`` is the future of its compiled structured-output grammar, while it waits for it.
+    A request with ``pooling_params`` finishes once its prompt is computed, with the pooled
+    hidden states instead of tokens.
     """
 
     __slots__ = (
@@ -92,6 +95,7 @@ class Request:
         "num_prompt_logprob_rows_sent",
         "num_prompt_tokens",
         "output_token_ids",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -113,6 +117,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"Request.request_id must be a non-empty string, got {request_id!r}")
@@ -139,6 +144,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params  # set: finishes after its prompt, pooled
         self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.min_tokens = sampling_params.min_tokens
@@ -177,6 +183,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
+            pooling_params=request.pooling_params,
         )
 
     @property

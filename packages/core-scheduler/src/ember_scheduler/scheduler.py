@@ -362,11 +362,10 @@ class Scheduler:
             computed = None
             # Nonzero only for a request whose KV a connector loaded: it holds its blocks.
             num_computed = request.num_computed_tokens
-            # Prompt logprobs need logits at every prompt position, so no prefix-cache hits.
             if (
                 not num_computed
                 and config.enable_prefix_caching
-                and request.sampling_params.prompt_logprobs is None
+                and _may_skip_cached_prompt(request)
             ):
                 computed = kv.get_computed_blocks(req_id, token_ids, request.block_hash_extras)
                 if self.kv_transfer is not None:
@@ -414,6 +413,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(req_id),
                     num_computed_tokens=num_computed,
                     eos_token_id=request.eos_token_id,
+                    pooling_params=request.pooling_params,
                 )
             )
             num_scheduled_tokens[req_id] = num_new
@@ -461,12 +461,19 @@ class Scheduler:
             logprob_offsets = list(
                 itertools.accumulate((len(t) for t in sampled_token_ids), initial=0)
             )
+        pooler_output = model_runner_output.pooler_output
         finished: list[Request] = []
 
         for index, req_id in enumerate(model_runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue  # aborted or preempted since it was scheduled
+            if request.pooling_params is not None:
+                pooled = pooler_output.get(req_id)
+                if pooled is not None:  # else a prefill chunk: nothing to report yet
+                    outputs.append(_finish_pooled(request, pooled))
+                    finished.append(request)
+                continue
             new_token_ids = sampled_token_ids[index]
             finish_reason = None
             if new_token_ids:
@@ -589,6 +596,26 @@ class Scheduler:
             num_preemptions=num_preemptions,
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
         )
+
+
+def _may_skip_cached_prompt(request: Request) -> bool:
+    """Whether prefix-cache hits may replace computing the prompt: not when prompt logprobs
+    need logits at every position, nor when pooling reads positions before the last."""
+    if request.pooling_params is not None:
+        return request.pooling_params.uses_prefix_cache
+    return request.sampling_params.prompt_logprobs is None
+
+
+def _finish_pooled(request: Request, pooled: bytes) -> EngineCoreOutput:
+    """A pooling request ends with its prompt: STOP, carrying the pooled vector."""
+    request.set_status(RequestStatus.FINISHED_STOPPED)
+    return EngineCoreOutput(
+        request.request_id,
+        [],
+        finish_reason=FinishReason.STOP,
+        num_cached_tokens=request.num_cached_tokens,
+        pooling_output=pooled,
+    )
 
 
 def _roll_back_rejected_drafts(

@@ -85,13 +85,19 @@ def demo_model_path() -> str:
 
 
 def random_model_path(
-    model_type: str, seed: int = 0, max_shard_size: str | None = None, **config: Any
+    model_type: str,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    sequence_classification: bool = False,
+    **config: Any,
 ) -> pathlib.Path:
     """Path of a cached float32 model of the transformers ``model_type``, written on first use.
 
     Its config is ``BASE_CONFIG`` updated with ``config``; its weights are random, drawn from
     ``seed``; its tokenizer is ``tokenizer_path()``'s. ``max_shard_size`` (e.g. ``"200KB"``)
-    splits the weights into several safetensors files with an index.
+    splits the weights into several safetensors files with an index. ``sequence_classification``
+    writes transformers' ``*ForSequenceClassification`` (a ``score`` head of ``num_labels``)
+    instead of the causal LM.
     """
     from transformers import AutoConfig
 
@@ -105,20 +111,28 @@ def random_model_path(
         config=model_config.to_dict(),
     )
     spec["config"].pop("transformers_version", None)
+    if sequence_classification:
+        spec["head"] = "sequence_classification"
 
     def write(out: pathlib.Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-        model.generation_config.do_sample = False
+        if sequence_classification:
+            model = AutoModelForSequenceClassification.from_config(
+                model_config, dtype=torch.float32
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            model.generation_config.do_sample = False
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(out, safe_serialization=True, **kwargs)
         for item in tokenizer.iterdir():
             shutil.copy2(item, out / item.name)
 
-    return _write_atomically(cache_dir() / f"{model_type}-{_digest(spec)}", write)
+    kind = f"{model_type}-cls" if sequence_classification else model_type
+    return _write_atomically(cache_dir() / f"{kind}-{_digest(spec)}", write)
 
 
 def tokenizer_path() -> pathlib.Path:

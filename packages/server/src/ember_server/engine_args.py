@@ -11,6 +11,8 @@ from ember_kv_cache import KVTransferConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("last", "mean", "cls")
 _BYTE_UNITS = {
     "": 1,
     "k": 1000,
@@ -61,6 +63,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # or "priority": lower ``priority`` values run first
     num_threads: int | None = None
     kv_transfer_config: dict | None = None
+    # "generate" (text, and pooling on the side), "pooling" (embed/classify/score only), or
+    # "auto": pooling for a *ForSequenceClassification checkpoint, else generate.
+    runner: str = "auto"
+    pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -82,6 +88,12 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.scheduling_policy must be one of {_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"EngineArgs.runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"EngineArgs.pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
@@ -163,6 +175,19 @@ class EngineArgs:
             help='KV connector as JSON, e.g. \'{"kv_connector": "TieredConnector", "kv_role": '
             '"kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"type": '
             '"disk", "path": "/tmp/kv", "max_bytes": 10000000000}]}}\'.',
+        )
+        group.add_argument(
+            "--runner",
+            default="auto",
+            choices=RUNNERS,
+            help="generate: text generation (embeddings too); pooling: embed, classify and score "
+            "only; auto: pooling for a sequence classification checkpoint, else generate.",
+        )
+        group.add_argument(
+            "--pooling-type",
+            default="last",
+            choices=POOLING_TYPES,
+            help="How embeddings pool the prompt's hidden states.",
         )
         return parser
 

@@ -14,10 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreRequest
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from ember_server.model_config import ModelConfig
 
 PromptType = str | Sequence[int]
+# What a pooling request carries for sampling: never used (it samples nothing), and greedy so that
+# a row sampled alongside generation requests draws no random numbers.
+_POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -97,6 +101,11 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """The engine core requests for one prompt: one, or ``n`` children sharing the prompt."""
+        if not self.model_config.can_generate:
+            raise ValueError(
+                f"model {self.model_config.served_model_name!r} runs with runner='pooling': it "
+                "embeds, classifies and scores, and does not generate text"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
@@ -132,9 +141,52 @@ class InputProcessor:
             )
         return requests
 
-    def _check(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
-    ) -> None:
+    def make_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        """The engine core request pooling one prompt (embed or classify); the engine's default
+        pooling type fills an unset ``pooling_type``."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        params = params.clone()  # checks every field again
+        config = self.model_config
+        if params.task == "classify" and config.num_labels is None:
+            raise ValueError(
+                "this model cannot classify: it is not a sequence classification model "
+                "(*ForSequenceClassification)"
+            )
+        if params.dimensions is not None and params.dimensions > config.hidden_size:
+            raise ValueError(
+                f"dimensions must be at most the model's hidden size {config.hidden_size}, "
+                f"got {params.dimensions}"
+            )
+        if params.pooling_type is None and params.task == "embed":
+            params = params.clone(pooling_type=config.pooling_type)
+        self._check_request(request_id, priority)
+        limit = config.max_model_len
+        if self.max_num_kv_tokens is not None:
+            limit = min(limit, self.max_num_kv_tokens)
+        if len(prompt_token_ids) > limit:
+            raise ValueError(
+                f"This model's maximum input length is {limit} tokens. However, your input has "
+                f"{len(prompt_token_ids)} tokens. Please reduce the length of the input."
+            )
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=_POOLING_SAMPLING_PARAMS,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            pooling_params=params,
+        )
+
+    def _check_request(self, request_id: str, priority: int) -> None:
+        """The checks every request shares: its id and its priority."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not (
@@ -150,6 +202,11 @@ class InputProcessor:
                 f"priority {priority} needs the priority scheduling policy "
                 "(EngineArgs.scheduling_policy='priority', --scheduling-policy priority)"
             )
+
+    def _check(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
+    ) -> None:
+        self._check_request(request_id, priority)
         self.output_room(len(prompt_token_ids))
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine_args import EngineArgs
 from ember_server.engine_factory import make_engine_core
@@ -15,6 +16,12 @@ from ember_server.metrics import EngineMetrics, IterationStats
 from ember_server.model_config import ModelConfig
 from ember_server.output_processor import OutputProcessor
 from ember_server.outputs import RequestOutput, RequestOutputKind
+from ember_server.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+)
+from ember_server.scoring import score_pairs
 from ember_server.tokenizer import load_tokenizer, render_chat
 
 
@@ -22,7 +29,9 @@ class LLM:
     """An engine in this process (no sockets) for batch generation.
 
     ``LLM(model, **engine_args)`` takes ``EngineArgs`` fields as keywords. ``generate`` and
-    ``chat`` return one ``RequestOutput`` per prompt, in input order.
+    ``chat`` return one ``RequestOutput`` per prompt, in input order; ``embed``, ``classify``,
+    ``encode`` and ``score`` return pooling outputs (``runner="pooling"`` serves only these; a
+    generate runner embeds too).
     """
 
     def __init__(self, model: str, **engine_args) -> None:
@@ -78,6 +87,78 @@ class LLM:
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append((text, ids))
         return self._generate(prompts, sampling_params, use_tqdm, None)
+
+    def encode(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt (``PoolingParams``: one for all, or one per prompt; default: embed)."""
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        params_list = [
+            PoolingParams() if params is None else params
+            for params in _per_prompt(pooling_params, len(prompts), "pooling_params")
+        ]
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            _, ids = prompt if isinstance(prompt, tuple) else self.input_processor.tokenize(prompt)
+            request_id = str(next(self._request_counter))
+            requests.append(self.input_processor.make_pooling_request(request_id, ids, params))
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        results: list[PoolingRequestOutput | None] = [None] * len(requests)
+        for request in requests:
+            self.output_processor.add_pooling_request(request)
+        try:
+            for request in requests:
+                self.engine_core.add_request(request)
+            self._run_engine(order, results, use_tqdm)
+        except BaseException:
+            self._abort_unfinished(order)
+            raise
+        return results
+
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``), pooled by the engine's
+        ``pooling_type`` unless ``pooling_params`` says otherwise, L2-normalized by default."""
+        params = _with_task(pooling_params, "embed")
+        return [
+            EmbeddingRequestOutput.from_base(o)
+            for o in self.encode(prompts, params, use_tqdm=use_tqdm)
+        ]
+
+    def classify(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``.outputs.probs``), from a sequence classifier."""
+        params = _with_task(pooling_params, "classify")
+        return [
+            ClassificationRequestOutput.from_base(o)
+            for o in self.encode(prompts, params, use_tqdm=use_tqdm)
+        ]
+
+    def score(self, text_1, text_2, *, use_tqdm: bool = True):
+        """Similarity of text pairs (one to one, one to many, or pairwise lists): a one-label
+        classifier reads each pair as one input (cross-encoder); an embedding model gives the
+        cosine similarity of the two embeddings. Returns ``ScoringRequestOutput``s in pair order.
+        """
+        return score_pairs(
+            self.model_config, self.tokenizer, text_1, text_2,
+            lambda prompts, params: self.encode(prompts, params, use_tqdm=use_tqdm),
+        )  # fmt: skip
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if not prompts:
@@ -184,3 +265,13 @@ def _per_prompt(value, count: int, name: str) -> list:
     if len(value) != count:
         raise ValueError(f"{name} must be one value or one per prompt ({count}), got {len(value)}")
     return list(value)
+
+
+def _with_task(pooling_params, task: str):
+    """``pooling_params`` (one, a list, or None) for ``task``; a mismatching task is an error."""
+    if pooling_params is None:
+        return PoolingParams(task=task)
+    for params in pooling_params if isinstance(pooling_params, Sequence) else [pooling_params]:
+        if isinstance(params, PoolingParams) and params.task != task:
+            raise ValueError(f"PoolingParams.task must be {task!r} here, got {params.task!r}")
+    return pooling_params

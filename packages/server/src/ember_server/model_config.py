@@ -23,6 +23,15 @@ class ModelConfig:
     extra_eos_token_ids: tuple[int, ...]  # further EOS ids from generation_config.json
     bos_token_id: int | None
     scheduling_policy: str = "fcfs"
+    runner: str = "generate"  # "generate" or "pooling" (resolved from EngineArgs.runner)
+    pooling_type: str = "last"
+    hidden_size: int = 0  # the longest embedding (``dimensions`` may truncate it)
+    num_labels: int | None = None  # a sequence classifier's; None: no score head
+    labels: tuple[str, ...] = ()  # a classifier's label names, by class index (id2label)
+
+    @property
+    def can_generate(self) -> bool:
+        return self.runner == "generate"
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> ModelConfig:
@@ -50,6 +59,15 @@ class ModelConfig:
             eos_ids = eos_ids + [i for i in _as_ids(generation.eos_token_id) if i not in eos_ids]
         except OSError:  # no generation_config.json
             pass
+        num_labels = _classifier_num_labels(hf_config)
+        runner = args.runner
+        if runner == "auto":
+            runner = "generate" if num_labels is None else "pooling"
+        elif runner == "generate" and num_labels is not None:
+            raise ValueError(
+                f"EngineArgs.runner 'generate' does not fit {args.model!r}: a sequence "
+                "classification model has no LM head (use runner='pooling')"
+            )
         return cls(
             model=args.model,
             tokenizer=args.tokenizer or args.model,
@@ -62,7 +80,24 @@ class ModelConfig:
             extra_eos_token_ids=tuple(eos_ids[1:]),
             bos_token_id=getattr(text_config, "bos_token_id", None),
             scheduling_policy=args.scheduling_policy,
+            runner=runner,
+            pooling_type=args.pooling_type,
+            hidden_size=text_config.hidden_size,
+            num_labels=num_labels,
+            labels=_labels(hf_config) if num_labels is not None else (),
         )
+
+
+def _labels(hf_config) -> tuple[str, ...]:
+    id2label = getattr(hf_config, "id2label", None) or {}
+    return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(hf_config.num_labels))
+
+
+def _classifier_num_labels(hf_config) -> int | None:
+    archs = getattr(hf_config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return hf_config.num_labels
+    return None
 
 
 def _as_ids(value) -> list[int]:

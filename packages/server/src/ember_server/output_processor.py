@@ -11,6 +11,8 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from ember_scheduler.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ from ember_server.outputs import (
     RequestOutputKind,
     SampleLogprobs,
 )
+from ember_server.pooling_outputs import PoolingOutput, PoolingRequestOutput
 
 
 class ParentRequest:
@@ -104,7 +107,7 @@ class RequestState:
 
 @dataclasses.dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     reqs_to_abort: list[str]  # engine request ids ended by a stop string, or by a refused sibling
     # Requests the engine core refused (IGNORED, or ABORT when it could not admit one), by
     # request id: each fails with the reason, and its other sequences are aborted.
@@ -120,6 +123,15 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         self._children: dict[str, list[str]] = {}
+        # Pooling requests in flight: their prompt token ids (one engine request each, same id).
+        self.pooling_requests: dict[str, list[int]] = {}
+
+    def add_pooling_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.parent_requests or request.request_id in (
+            self.pooling_requests
+        ):
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        self.pooling_requests[request.request_id] = request.prompt_token_ids
 
     def add_request(
         self,
@@ -147,10 +159,10 @@ class OutputProcessor:
         self._children[request_id] = [r.request_id for r in engine_requests]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parent_requests)
+        return bool(self.parent_requests) or bool(self.pooling_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parent_requests)
+        return len(self.parent_requests) + len(self.pooling_requests)
 
     def abort_requests(self, request_ids: Iterable[str]) -> tuple[list[str], list[RequestOutput]]:
         """Forget requests; return their unfinished engine ids and the outputs reporting the
@@ -158,6 +170,9 @@ class OutputProcessor:
         engine_ids: list[str] = []
         finals: list[RequestOutput] = []
         for request_id in request_ids:
+            if self.pooling_requests.pop(request_id, None) is not None:
+                engine_ids.append(request_id)
+                continue
             parent = self.parent_requests.pop(request_id, None)
             for child_id in self._children.pop(request_id, []):
                 state = self.request_states.pop(child_id, None)
@@ -178,6 +193,9 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         request_errors: dict[str, str] = {}
         for out in outputs:
+            if out.request_id in self.pooling_requests:
+                self._process_pooled(out, request_outputs, request_errors)
+                continue
             state = self.request_states.get(out.request_id)
             if state is None:  # aborted by the front end meanwhile
                 continue
@@ -227,6 +245,28 @@ class OutputProcessor:
             if request_output is not None:
                 request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort, request_errors)
+
+    def _process_pooled(
+        self,
+        out: EngineCoreOutput,
+        request_outputs: list[RequestOutput | PoolingRequestOutput],
+        request_errors: dict[str, str],
+    ) -> None:
+        if out.finish_reason is None:
+            return
+        prompt_token_ids = self.pooling_requests.pop(out.request_id)
+        if out.pooling_output is None:  # refused or aborted by the engine core
+            request_errors[out.request_id] = out.finish_detail or str(out.finish_reason)
+            return
+        data = np.frombuffer(out.pooling_output, dtype="<f4").astype(np.float32)
+        request_outputs.append(
+            PoolingRequestOutput(
+                out.request_id,
+                PoolingOutput(data),
+                prompt_token_ids,
+                num_cached_tokens=out.num_cached_tokens,
+            )
+        )
 
     def _completion_output(
         self,

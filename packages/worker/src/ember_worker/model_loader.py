@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
-from ember_worker.models import DecoderConfig, DecoderForCausalLM
+from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
@@ -132,8 +132,9 @@ def load_model(
         ) from error
     config = DecoderConfig.from_hf_config(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)
+    model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM
     with torch.device(device):
-        decoder = DecoderForCausalLM(config, tp=tp, dtype=torch_dtype)
+        decoder = model_class(config, tp=tp, dtype=torch_dtype)
     decoder.load_weights(iterate_weights(safetensors_files(path)))
     decoder.eval()
     return LoadedModel(decoder, config, hf_config, torch_dtype, path)

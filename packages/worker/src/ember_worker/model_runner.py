@@ -21,6 +21,7 @@ from ember_worker.kv_connector import TieredConnectorWorker
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
+from ember_worker.pooler import Pooler
 from ember_worker.sampler import Sampler, SamplerOutput
 from ember_worker.sampling_metadata import build_sampling_metadata
 from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
@@ -55,6 +56,7 @@ class ModelRunner:
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
+        self.pooler = Pooler(loaded.config.hidden_size, getattr(self.model, "score", None))
         self.grammar_matchers = (
             None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs)
         )
@@ -107,6 +109,14 @@ class ModelRunner:
         batch.set_num_scheduled_tokens(num_scheduled)
         inputs = self.input_buffers.prepare()
         hidden_states = self.model(inputs.input_ids, inputs.positions, _attention_metadata(inputs))
+        pooler_output = {}
+        if self.pooler.params:
+            pooler_output = self.pooler.pool(hidden_states, batch, num_scheduled)
+            if len(self.pooler.params) == batch.num_reqs:  # pooling requests only: no sampling
+                no_tokens = [[] for _ in req_ids]
+                return ModelRunnerOutput(
+                    req_ids, dict(index), no_tokens, pooler_output=pooler_output
+                )
 
         prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
@@ -116,22 +126,28 @@ class ModelRunner:
         sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
         if self.grammar_matchers:
             self.grammar_matchers.accept_sampled(index, sampled)
+        for req_id in self.pooler.params:  # rows sampled alongside, for nothing
+            sampled[index[req_id]] = []
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(index),
             sampled_token_ids=sampled,
             logprobs=_logprobs_per_sampled_token(sampler_output, sampled),
             prompt_logprobs=prompt_logprobs,
+            pooler_output=pooler_output,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
+            self.pooler.remove_request(req_id)
             if self.grammar_matchers is not None:
                 self.grammar_matchers.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             batch.add_request(new_req)
+            if new_req.pooling_params is not None:
+                self.pooler.add_request(new_req.req_id, new_req.pooling_params)
             if new_req.sampling_params.structured_outputs is not None:
                 self._add_grammar_matcher(new_req)
         cached = scheduler_output.scheduled_cached_reqs

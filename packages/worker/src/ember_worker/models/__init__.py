@@ -1,6 +1,12 @@
 """The supported decoder-only architectures: one decoder, configured per architecture."""
 
-from ember_worker.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig
-from ember_worker.models.decoder import DecoderForCausalLM
+from ember_worker.models.config import SEQUENCE_CLASSIFIERS, SUPPORTED_ARCHITECTURES, DecoderConfig
+from ember_worker.models.decoder import DecoderForCausalLM, DecoderForSequenceClassification
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "DecoderForCausalLM"]
+__all__ = [
+    "SEQUENCE_CLASSIFIERS",
+    "SUPPORTED_ARCHITECTURES",
+    "DecoderConfig",
+    "DecoderForCausalLM",
+    "DecoderForSequenceClassification",
+]

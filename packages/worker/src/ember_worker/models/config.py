@@ -14,6 +14,13 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
 
+# A sequence classifier is the same decoder with a ``score`` head: architecture -> its decoder's.
+SEQUENCE_CLASSIFIERS: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -38,15 +45,20 @@ class DecoderConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    num_labels: int | None = None  # a sequence classifier's (its score head's outputs)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> DecoderConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        classifier = next((a for a in archs if a in SEQUENCE_CLASSIFIERS), None)
+        if arch is None and classifier is not None:
+            arch = SEQUENCE_CLASSIFIERS[classifier]
         if arch is None:
             raise ValueError(
                 f"architecture {archs or getattr(hf_config, 'model_type', None)!r} is not "
-                f"supported; Ember supports {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"supported; Ember supports "
+                f"{sorted([*SUPPORTED_ARCHITECTURES, *SEQUENCE_CLASSIFIERS])}"
             )
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -76,6 +88,7 @@ class DecoderConfig:
             qk_norm=switches["qk_norm"],
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(hf_config),
+            num_labels=hf_config.num_labels if classifier is not None else None,
         )
 
 

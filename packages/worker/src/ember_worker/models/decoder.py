@@ -275,3 +275,26 @@ def _copy_whole(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
             f"the model expects {tuple(param.shape)}"
         )
     param.data.copy_(tensor)
+
+
+class DecoderForSequenceClassification(DecoderForCausalLM):
+    """The decoder plus HF's ``score`` head (hidden -> ``num_labels``, no bias) in place of the LM
+    head; ``forward`` returns hidden states, which the pooler scores at the last prompt token.
+    The head is replicated on every tensor-parallel rank (the final hidden states are whole)."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not config.num_labels:
+            raise ValueError("DecoderForSequenceClassification needs config.num_labels")
+        super().__init__(config, tp=tp, dtype=dtype)
+        del self.lm_head
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
+        self.score.weight.requires_grad_(False)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a sequence classification model has no LM head: it cannot generate")
