@@ -184,7 +184,9 @@ class InputBatch:
             0,
             params.temperature,
             params.top_p,
-            min(params.top_k, self.vocab_size),  # larger is the same, and may not fit int32
+            min(
+                params.top_k, self.vocab_size
+            ),  # a larger top_k keeps every token, as the vocabulary does
             params.min_p,
             params.presence_penalty,
             params.frequency_penalty,
