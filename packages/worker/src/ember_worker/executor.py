@@ -70,7 +70,7 @@ class InProcessExecutor:
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
-        if not 0 < max_model_len <= limit:
+        if not isinstance(max_model_len, int) or not 0 < max_model_len <= limit:
             raise ValueError(
                 f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                 f"got {max_model_len}"

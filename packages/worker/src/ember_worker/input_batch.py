@@ -58,7 +58,8 @@ class InputBatch:
 
     Rows are added at the lowest free row; ``remove_request`` leaves a hole that ``condense``
     fills by moving rows down from the end. A step's counts are set, and its inputs and sampling
-    metadata read, only on a condensed batch (rows ``0..num_reqs-1``).
+    metadata read, only on a condensed batch (rows ``0..num_reqs-1``). Its sizes come from the
+    executor, which checked them.
     """
 
     def __init__(
@@ -70,15 +71,6 @@ class InputBatch:
         vocab_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("max_num_reqs", max_num_reqs),
-            ("max_model_len", max_model_len),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("block_size", block_size),
-            ("vocab_size", vocab_size),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"InputBatch.{name} must be a positive int, got {value!r}")
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
