@@ -50,7 +50,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id (or string, set by the front end)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    finish_detail: str | None = None  # why, in words, where the reason alone does not say (IGNORED)
+    # Set only when the engine core refused the request (IGNORED; ABORT when it could not admit it
+    # or compile its grammar): the reason, which the front end raises as that request's error.
+    finish_detail: str | None = None
     pooling_output: bytes | None = None  # a pooling request's result: float32, little-endian
 
     @property
