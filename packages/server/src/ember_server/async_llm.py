@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from ember_scheduler.engine_types import SchedulerStats
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.core_client import AsyncMPClient, EngineDeadError
 from ember_server.engine_args import EngineArgs
@@ -16,6 +17,7 @@ from ember_server.metrics import EngineMetrics, IterationStats
 from ember_server.model_config import ModelConfig
 from ember_server.output_processor import OutputProcessor
 from ember_server.outputs import RequestOutput, RequestOutputKind
+from ember_server.pooling_outputs import PoolingRequestOutput
 from ember_server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,42 @@ class AsyncLLM:
         if kind is None:
             kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return self._stream_outputs(request_id, text, sampling_params, engine_requests, kind)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """Pool one prompt (embed or classify) and return its result.
+
+        Bad input raises ``ValueError`` before anything reaches the engine core; cancelling the
+        call aborts the request and frees its KV blocks.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        _, ids = self.input_processor.tokenize(prompt)
+        request = self.input_processor.make_pooling_request(
+            request_id, ids, pooling_params, priority
+        )
+        self.output_processor.add_pooling_request(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self.client.add_requests([request])
+            item = await queue.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        finally:
+            if not finished:
+                await self._abort(request_id)
+            self._queues.pop(request_id, None)
 
     async def _stream_outputs(
         self, request_id, text, sampling_params, engine_requests, kind

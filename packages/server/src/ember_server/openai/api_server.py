@@ -1,7 +1,10 @@
 """The FastAPI app of ``ember serve`` and the coroutine that runs it with uvicorn.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/classify``,
+``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
 ``/detokenize``, ``/health`` (503 once the engine has failed), ``/version`` and ``/metrics``.
+A ``generate`` engine answers the pooling routes too (embeddings of its decoder); a ``pooling``
+engine answers the generation routes with a 400.
 With an API key every route except ``/health``, ``/version`` and ``/metrics`` needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 """
@@ -31,9 +34,16 @@ from ember_server.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from ember_server.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.serving_chat import OpenAIServingChat
 from ember_server.openai.serving_completion import OpenAIServingCompletion
+from ember_server.openai.serving_pooling import OpenAIServingPooling
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +58,7 @@ def build_app(engine, api_key: str | None = None, tool_call_parser: str | None =
     completions = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine, tool_call_parser)
     common = OpenAIServing(engine)
+    pooling = OpenAIServingPooling(engine)
 
     if api_key:
         expected = f"Bearer {api_key}".encode()
@@ -69,6 +80,24 @@ def build_app(engine, api_key: str | None = None, tool_call_parser: str | None =
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await pooling.create_embedding(request, raw_request)
+
+    @app.post("/classify")
+    async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+        return await pooling.create_classify(request, raw_request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return await pooling.create_score(request, raw_request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return await pooling.create_rerank(request, raw_request)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
