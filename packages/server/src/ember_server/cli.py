@@ -1,4 +1,5 @@
-"""The ``ember`` command: ``ember serve``, ``ember generate``, ``ember proxy`` and ``ember bench``.
+"""The ``ember`` command: ``ember serve``, ``ember generate``, ``ember run-batch``, ``ember proxy``
+and ``ember bench``.
 
 Without a model, every command uses Ember's built-in demo model: a tiny Llama (about 5 MB) with
 random weights and a real byte-level BPE tokenizer, written offline on first use by
@@ -89,6 +90,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    from ember_server.run_batch import run_batch
+
+    failed = asyncio.run(run_batch(EngineArgs.from_cli_args(args), args.input, args.output))
+    if failed:
+        logger.warning("%d request(s) failed; their errors are in %s", failed, args.output)
+    return 0
+
+
 def _proxy(args: argparse.Namespace) -> int:
     from ember_server.pd_proxy import run_proxy
 
@@ -132,6 +142,14 @@ def make_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--chat", action="store_true", help="Send each prompt as a user message.")
     generate.set_defaults(handler=_generate, needs_model=True)
+
+    run_batch = commands.add_parser(
+        "run-batch", help="Run an OpenAI batch file (JSONL) offline and write the results."
+    )
+    _add_model_arg(run_batch)
+    run_batch.add_argument("-i", "--input", required=True, help="Batch requests (JSONL).")
+    run_batch.add_argument("-o", "--output", required=True, help="Where to write the results.")
+    run_batch.set_defaults(handler=_run_batch, needs_model=True)
 
     proxy = commands.add_parser(
         "proxy", help="Prefill/decode disaggregation: route each request to two servers."
