@@ -410,6 +410,13 @@ BAD_REQUESTS = [
         400,
         "response_format",
     ),
+    # This server has no --tool-call-parser: tool_choice auto (the default with tools) is a 400.
+    (
+        "chat/completions",
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+    ),
     ("completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": CHAT, "model": "gpt-4", "stream": True}, 404, "model"),
