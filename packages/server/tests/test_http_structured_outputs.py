@@ -13,7 +13,13 @@ from server_thread import ServerThread
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
 from ember_server.engine_args import EngineArgs
-from ember_server.openai.tool_calls import HermesToolParser, ParsedCallStream
+from ember_server.openai.protocol import ChatCompletionRequest
+from ember_server.openai.tool_calls import (
+    HermesToolParser,
+    ParsedCallStream,
+    RequiredCallStream,
+    forced_tool_call,
+)
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 400
@@ -346,3 +352,15 @@ def test_parsed_call_stream_holds_back_a_possible_block_start():
     assert deltas[3].content == " bye " and deltas[4] is None
     tail, finish = stream.finish("stop")
     assert tail.content == "<tool" and finish == "tool_calls"
+
+
+def test_a_required_call_cut_short_by_a_stop_string_stays_text():
+    request = ChatCompletionRequest.model_validate(
+        {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}
+    )
+    cut = '{"name": "add", "argu'
+    assert forced_tool_call(request, cut) is None
+    stream = RequiredCallStream(request)
+    assert stream.feed(cut) is None
+    tail, finish = stream.finish("stop")
+    assert (tail.content, tail.tool_calls, finish) == (cut, None, "stop")

@@ -110,8 +110,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> tuple[ChatResponseMessage, str | None]:
         """The message of a finished choice, and its finish reason (``tool_calls`` for calls)."""
         text, finish_reason = output.text, output.finish_reason
-        if request.forces_tool_call and finish_reason == "stop":
-            call = forced_tool_call(request, text)
+        call = forced_tool_call(request, text) if request.forces_tool_call else None
+        if call is not None and finish_reason == "stop":
             return ChatResponseMessage(role=ROLE, tool_calls=[call]), TOOL_CALLS
         if self._parses_calls(request):
             content, calls = self.tool_parser.parse(text)

@@ -21,16 +21,19 @@ from ember_server.openai.protocol import (
 TOOL_CALLS = "tool_calls"  # the finish reason of an output that is a call
 
 
-def forced_tool_call(request: ChatCompletionRequest, text: str) -> ToolCall:
+def forced_tool_call(request: ChatCompletionRequest, text: str) -> ToolCall | None:
     """The call in a forced output: the named function's arguments, or (``required``) JSON
-    ``{"name", "arguments"}`` (the grammar guarantees the shape)."""
+    ``{"name", "arguments"}``. The grammar guarantees the shape of a whole output; one a stop
+    string cut short gives None (it stays text)."""
     name = request.forced_function
     if name is not None:
         return ToolCall(function=FunctionCall(name=name, arguments=text))
-    call = json.loads(text)
-    return ToolCall(
-        function=FunctionCall(name=call["name"], arguments=json.dumps(call["arguments"]))
-    )
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    arguments = json.dumps(call["arguments"])
+    return ToolCall(function=FunctionCall(name=call["name"], arguments=arguments))
 
 
 def _delta_call(index: int, call: ToolCall) -> DeltaToolCall:
@@ -162,9 +165,9 @@ class RequiredCallStream:
         return None
 
     def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
-        if finish_reason != "stop":
+        call = forced_tool_call(self.request, self._text) if finish_reason == "stop" else None
+        if call is None:
             return DeltaMessage(content=self._text or None), finish_reason
-        call = forced_tool_call(self.request, self._text)
         return DeltaMessage(tool_calls=[_delta_call(0, call)]), TOOL_CALLS
 
 
