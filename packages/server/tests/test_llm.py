@@ -1,10 +1,13 @@
 """The offline LLM API on tiny random-weight models."""
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server import engine_factory
 from ember_server.llm import LLM
 
 PROMPTS = ["def foo(", "Grüße aus Köln", "import json\nclass", "x = [1, 2"]
@@ -198,3 +201,28 @@ def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
     (output,) = llm.generate([[5] * (capacity - 1)], SamplingParams(max_tokens=1), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 1
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "cores,load,offline,served",
+    [({0, 1, 2, 3}, 0.2, 4, 3), ({0, 1, 2, 3}, 2.0, 2, 1), ({0, 1}, 12.0, 1, 1), ({5}, 0.0, 1, 1)],
+)
+def test_default_threads_take_the_idle_cores_less_one_for_a_served_front_end(
+    monkeypatch, cores, load, offline, served
+):
+    monkeypatch.setattr(engine_factory.os, "sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(engine_factory.os, "cpu_count", lambda: len(cores))
+    monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (load, load, load))
+    assert engine_factory.default_num_threads(front_end_alongside=False) == offline
+    assert engine_factory.default_num_threads(front_end_alongside=True) == served
+
+
+def test_offline_engine_takes_the_default_threads(llama_path, monkeypatch):
+    monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    before = torch.get_num_threads()
+    try:
+        engine = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=64, block_size=4)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        engine.shutdown()
+    finally:
+        torch.set_num_threads(before)

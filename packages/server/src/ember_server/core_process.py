@@ -119,7 +119,7 @@ def run_engine_core(
     try:
         try:
             model_config = ModelConfig.from_engine_args(args)
-            engine_core = make_engine_core(args, model_config)
+            engine_core = make_engine_core(args, model_config, front_end_alongside=True)
         except Exception:
             input_socket.send_multipart([msg.FAILED, traceback.format_exc().encode()])
             return 1

@@ -38,7 +38,9 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.model_config = ModelConfig.from_engine_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
-        self.engine_core = make_engine_core(self.engine_args, self.model_config)
+        self.engine_core = make_engine_core(
+            self.engine_args, self.model_config, front_end_alongside=False
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.model_config,
