@@ -11,12 +11,14 @@ engine process started after the prompt was stored, warmed up on an unrelated pr
 Targets on a CPU: a tier hit at most 35% of the cold TTFT, a CPU-tier hit at most 20%.
 
 Run: python3 benchmarks/bench_kv_tiers.py [--redis-url URL]  (without a URL it starts a
-throwaway redis-server on a unix socket when one is installed, else skips Redis)
+throwaway redis-server on a unix socket when one and the redis client are installed, else skips
+Redis)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -99,7 +101,7 @@ def _best(model: str, config_for_run, cases: list[str]) -> dict:
 
 def _start_redis(directory: str) -> tuple[subprocess.Popen, str] | None:
     binary = shutil.which("redis-server")
-    if binary is None:
+    if binary is None or importlib.util.find_spec("redis") is None:
         return None
     sock = os.path.join(directory, "redis.sock")
     process = subprocess.Popen(
@@ -121,9 +123,9 @@ def main() -> None:
         print(json.dumps(child(spec["model"], spec["config"], spec["cases"])))
         return
 
-    from ember_worker.tiny_models import tiny_model_path
+    from ember_server.demo_model import random_model_path
 
-    model = str(tiny_model_path("llama", seed=0, **MODEL_CONFIG))
+    model = str(random_model_path("llama", seed=0, **MODEL_CONFIG))
     rows = {}
     with tempfile.TemporaryDirectory() as directory:
         server = None
@@ -160,7 +162,7 @@ def main() -> None:
         ("redis", "Redis tier", 0.35),
     ):
         if case not in rows:
-            print(f"{label:>16}  skipped: no redis-server (pass --redis-url)")
+            print(f"{label:>16}  skipped: needs redis-server (or --redis-url) and the redis client")
             continue
         row = rows[case]
         ratio = row["ttft"] / cold
