@@ -20,6 +20,7 @@ from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
+from ember_spec_decode import SpeculativeConfig
 from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
@@ -107,6 +108,7 @@ def make_engine(
     num_blocks: int = 512,
     max_num_batched_tokens: int = 512,
     prefix_caching=False,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> EngineCore:
     executor = InProcessExecutor(
         model_path(model),
@@ -117,13 +119,16 @@ def make_engine(
         block_size=BLOCK_SIZE,
         kv_cache_memory=num_blocks * bytes_per_block(model),
         seed=0,
+        speculative_config=speculative_config,
     )
-    assert executor.num_kv_blocks == num_blocks
+    if speculative_config is None or speculative_config.method != "draft_model":
+        assert executor.num_kv_blocks == num_blocks  # a draft model's KV shares the budget
     config = SchedulerConfig(
         max_num_seqs=NUM_PROMPTS,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=prefix_caching,
+        num_lookahead_tokens=speculative_config.num_lookahead_tokens if speculative_config else 0,
     )
     return EngineCore(executor, config)
 
@@ -135,7 +140,13 @@ def run(core: EngineCore, prompts, params_of, prefix: str = "") -> tuple[dict, d
     outputs: dict[int, dict] = {
         i: {"tokens": [], "logprobs": [], "prompt_logprobs": []} for i in range(len(prompts))
     }
-    totals = {"num_preemptions": 0, "prefix_cache_hits": 0, "max_running": 0}
+    totals = {
+        "num_preemptions": 0,
+        "prefix_cache_hits": 0,
+        "max_running": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+    }
     while core.has_unfinished_requests():
         step = core.step()
         stats = step.scheduler_stats
@@ -143,6 +154,9 @@ def run(core: EngineCore, prompts, params_of, prefix: str = "") -> tuple[dict, d
             totals["num_preemptions"] += stats.num_preemptions
             totals["prefix_cache_hits"] += stats.prefix_cache_hits
             totals["max_running"] = max(totals["max_running"], stats.num_running_reqs)
+            if stats.spec_decoding is not None:
+                totals["num_draft_tokens"] += stats.spec_decoding.num_draft_tokens
+                totals["num_accepted_tokens"] += stats.spec_decoding.num_accepted_tokens
         for out in step.outputs:
             record = outputs[int(out.request_id.removeprefix(prefix))]
             record["tokens"] += out.new_token_ids

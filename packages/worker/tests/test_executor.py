@@ -139,15 +139,6 @@ def test_logprobs_rows_follow_the_sampled_tokens(llama):
     assert out.logprobs.ranks[row_b] == 1
 
 
-def test_speculative_tokens_are_refused(llama):
-    executor = _executor(llama)
-    a = NewRequestData("a", [5, 6, 7], [], GREEDY, block_ids=[0], num_computed_tokens=0)
-    step = _step(new=[a], scheduled={"a": 3})
-    step.scheduled_spec_decode_tokens = {"a": [1]}
-    with pytest.raises(NotImplementedError, match="speculative"):
-        executor.execute_model(step)
-
-
 def test_bfloat16_executor_runs_its_cache_in_bfloat16(llama):
     executor = _executor(llama, dtype="bfloat16")
     assert executor.model_runner.kv_caches[0][0].dtype == torch.bfloat16

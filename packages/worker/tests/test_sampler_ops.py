@@ -309,3 +309,12 @@ def test_top_k_and_top_p_together_match_the_reference_on_both_paths(vocab):
     for row in range(6):
         expected = reference_top_k_top_p(logits[row], int(top_k[row]), float(top_p[row]))
         assert kept_candidates(values, ids, row) == expected, row
+
+
+def test_a_top_k_row_keeps_its_cut_beside_a_top_p_row_on_the_whole_row_path():
+    # Top-p of 1 (no top-p) in the same call as a row with top-p below 1: the row's top-k must
+    # still hold. On the whole-row path it once kept the whole vocabulary.
+    logits = random_logits(2, 5)
+    values, ids = top_k_top_p_candidates(logits, torch.tensor([10, 0]), torch.tensor([1.0, 0.9]))
+    assert ids is None  # the whole-row path: 10 > 40 // 8
+    assert kept(values[0]) == set(logits[0].topk(10).indices.tolist())

@@ -8,6 +8,7 @@ from ember_scheduler.engine_types import (
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from ember_scheduler.outputs import (
     CachedRequestData,
@@ -44,6 +45,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SpecDecodingStats",
     "StructuredOutputsParams",
     "__version__",
 ]

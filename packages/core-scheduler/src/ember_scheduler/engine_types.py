@@ -60,6 +60,27 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Draft verification counts since the previous stats: ``num_drafts`` requests verified
+    ``num_draft_tokens`` drafts, of which ``num_accepted_tokens`` were accepted, and
+    ``num_accepted_tokens_per_pos[j]`` at draft position j."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted_tokens):
+            per_pos[position] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Gauges and counters since the previous step, for metrics."""
 
@@ -71,6 +92,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     kv_connector_stats: KVConnectorStats | None = None  # with a KV connector: lookups and tiers
+    spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -23,6 +23,7 @@ from ember_scheduler.engine_types import (
     EngineCoreOutputs,
     FinishReason,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from ember_scheduler.kv_transfer import KVTransferScheduling
 from ember_scheduler.outputs import (
@@ -88,6 +89,7 @@ class Scheduler:
         self.kv_transfer = (
             KVTransferScheduling(kv_connector, kv_cache_manager) if kv_connector else None
         )
+        self._spec_decoding_stats: SpecDecodingStats | None = None
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -478,9 +480,13 @@ class Scheduler:
             finish_reason = None
             if new_token_ids:
                 if scheduled_spec:
-                    _roll_back_rejected_drafts(request, scheduled_spec.get(req_id), new_token_ids)
+                    self._roll_back_rejected_drafts(
+                        request, scheduled_spec.get(req_id), new_token_ids
+                    )
                 if spec_token_ids is not None:
-                    request.spec_token_ids = spec_token_ids[index]  # drafts to verify next step
+                    # drafts to verify next step, no more than max_tokens can still use
+                    room = request.max_tokens - request.num_output_tokens - len(new_token_ids) - 1
+                    request.spec_token_ids = spec_token_ids[index][: max(room, 0)]
                 new_token_ids, finish_reason = self._append_until_stop(request, new_token_ids)
 
             new_logprobs = None
@@ -582,6 +588,8 @@ class Scheduler:
         prefix = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions = self._num_preemptions
         self._num_preemptions = 0
+        spec_decoding = self._spec_decoding_stats
+        self._spec_decoding_stats = None
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=(
@@ -595,7 +603,21 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
+            spec_decoding=spec_decoding,
         )
+
+    def _roll_back_rejected_drafts(
+        self, request: Request, drafts: list[int] | None, new_token_ids: list[int]
+    ) -> None:
+        """Uncount the KV of rejected draft tokens, so the next step recomputes from the first,
+        and count the drafts for metrics."""
+        if not drafts:
+            return
+        num_accepted = len(new_token_ids) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        if self._spec_decoding_stats is None:
+            self._spec_decoding_stats = SpecDecodingStats()
+        self._spec_decoding_stats.observe(len(drafts), num_accepted)
 
 
 def _may_skip_cached_prompt(request: Request) -> bool:
@@ -616,14 +638,6 @@ def _finish_pooled(request: Request, pooled: bytes) -> EngineCoreOutput:
         num_cached_tokens=request.num_cached_tokens,
         pooling_output=pooled,
     )
-
-
-def _roll_back_rejected_drafts(
-    request: Request, drafts: list[int] | None, new_token_ids: list[int]
-) -> None:
-    """Uncount the KV of rejected draft tokens, so the next step recomputes from the first."""
-    if drafts:
-        request.num_computed_tokens -= len(drafts) + 1 - len(new_token_ids)
 
 
 def _slice_rows(logprobs: Logprobs, start: int, count: int) -> Logprobs:

@@ -8,6 +8,7 @@ import json
 import re
 
 from ember_kv_cache import KVTransferConfig
+from ember_spec_decode import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -34,6 +35,17 @@ def parse_bytes(text: str | int) -> int:
             f"kv_cache_memory must be a byte count such as 536870912 or 512MiB, got {text!r}"
         )
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2) or ""])
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 @dataclasses.dataclass
@@ -68,6 +80,8 @@ class EngineArgs:
     # "auto": pooling for a *ForSequenceClassification checkpoint, else generate.
     runner: str = "auto"
     pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
+    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); a SpeculativeConfig after
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -98,6 +112,8 @@ class EngineArgs:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)
             if not self.enable_prefix_caching:
@@ -176,6 +192,12 @@ class EngineArgs:
             help='KV connector as JSON, e.g. \'{"kv_connector": "TieredConnector", "kv_role": '
             '"kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"type": '
             '"disk", "path": "/tmp/kv", "max_bytes": 10000000000}]}}\'.',
+            "--speculative-config",
+            type=_json_object,
+            default=None,
+            help='Speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": '
+            '"draft_model", "model": "PATH", "num_speculative_tokens": 4}\'.',
         )
         group.add_argument(
             "--runner",

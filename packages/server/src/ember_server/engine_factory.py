@@ -56,6 +56,7 @@ def make_engine_core(
         num_threads=args.num_threads
         or default_num_threads(front_end_alongside=front_end_alongside),
         kv_transfer_config=args.kv_transfer,
+        speculative_config=args.speculative_config,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
@@ -63,5 +64,8 @@ def make_engine_core(
         max_model_len=model_config.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         policy=args.scheduling_policy,
+        num_lookahead_tokens=(
+            args.speculative_config.num_lookahead_tokens if args.speculative_config else 0
+        ),
     )
     return EngineCore(executor, scheduler_config, executor.grammar_compiler, args.kv_transfer)

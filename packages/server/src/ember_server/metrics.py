@@ -9,12 +9,16 @@ from the engine core's ``SchedulerStats``.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ember_kv_cache import KVConnectorStats
-from ember_scheduler.engine_types import SchedulerStats
+from ember_scheduler.engine_types import SchedulerStats, SpecDecodingStats
+
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -35,6 +39,46 @@ class IterationStats:
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     e2e_latencies: list[float] = dataclasses.field(default_factory=list)
     finished_reasons: list[str] = dataclasses.field(default_factory=list)
+
+
+class SpecDecodingLog:
+    """Logs the mean acceptance length and per-position acceptance every ``interval`` seconds
+    (at the first stats after it elapsed), over the drafts verified since the last line."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._since = time.monotonic()
+        self._totals = SpecDecodingStats()
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        totals = self._totals
+        totals.num_drafts += stats.num_drafts
+        totals.num_draft_tokens += stats.num_draft_tokens
+        totals.num_accepted_tokens += stats.num_accepted_tokens
+        per_pos = totals.num_accepted_tokens_per_pos
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            if position == len(per_pos):
+                per_pos.append(0)
+            per_pos[position] += count
+        now = time.monotonic()
+        if now - self._since >= self.interval and totals.num_drafts:
+            logger.info("%s", self.summary())
+            self._since = now
+            self._totals = SpecDecodingStats()
+
+    def summary(self) -> str:
+        t = self._totals
+        # Each verified run emits its accepted drafts plus one token of the target's own.
+        mean_length = 1 + t.num_accepted_tokens / max(t.num_drafts, 1)
+        per_pos = ", ".join(
+            f"{count / max(t.num_drafts, 1):.2f}" for count in t.num_accepted_tokens_per_pos
+        )
+        return (
+            f"speculative decoding: mean acceptance length {mean_length:.2f}, "
+            f"{t.num_accepted_tokens} of {t.num_draft_tokens} draft tokens accepted "
+            f"({t.num_accepted_tokens / max(t.num_draft_tokens, 1):.1%}) over {t.num_drafts} "
+            f"drafts; acceptance by position: {per_pos}"
+        )
 
 
 class EngineMetrics:
@@ -79,6 +123,22 @@ class EngineMetrics:
             "Request latency, arrival to finish.",
             _REQUEST_BUCKETS,
         )
+        self.spec_decode_num_drafts = counter(
+            "ember:spec_decode_num_drafts", "Requests' draft runs verified."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "ember:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "ember:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_decode_accepted_per_pos = Counter(
+            "ember:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft run (0 = first).",
+            ["model_name", "position"],
+            registry=r,
+        )
+        self.spec_decode_log = SpecDecodingLog()
         self._request_success = Counter(
             "ember:request_success",
             "Finished requests, by finish reason.",
@@ -97,6 +157,16 @@ class EngineMetrics:
         self.num_preemptions.inc(stats.num_preemptions)
         if stats.kv_connector_stats is not None:
             self._kv_connector.record(stats.kv_connector_stats)
+        spec = stats.spec_decoding
+        if spec is not None:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                self._spec_decode_accepted_per_pos.labels(self._model_name, str(position)).inc(
+                    count
+                )
+            self.spec_decode_log.record(spec)
 
     def record_iteration(self, stats: IterationStats) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)

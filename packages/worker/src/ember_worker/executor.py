@@ -8,6 +8,7 @@ import torch
 
 from ember_kv_cache import KVTransferConfig, TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from ember_spec_decode import SpeculativeConfig
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.layers.parallel import TensorParallelGroup
@@ -47,6 +48,7 @@ class InProcessExecutor:
         num_threads: int | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         prefix_caching_hash_algo: str = "sha256",
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         tp = TensorParallelGroup(rank=0, size=tensor_parallel_size)
         for name, value in (
@@ -90,9 +92,10 @@ class InProcessExecutor:
             block_size=block_size,
             device=self.device,
             grammar_compiler=self.grammar_compiler,
+            speculative_config=speculative_config,
         )
         budget = kv_cache_budget(self.device, kv_cache_memory, gpu_memory_utilization)
-        self._num_kv_blocks = self.model_runner.kv_cache_spec.num_blocks_for(budget)
+        self._num_kv_blocks = self.model_runner.num_kv_blocks_for(budget)
         self.model_runner.initialize_kv_cache(self._num_kv_blocks)
         self._block_size = block_size
         self._kv_transfer_store = None

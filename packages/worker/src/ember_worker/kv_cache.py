@@ -8,8 +8,12 @@ count is decided once, from the budget, and reported to the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ember_worker.model_loader import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,16 @@ class KVCacheSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, block_size: int) -> KVCacheSpec:
+        return cls(
+            num_layers=loaded.config.num_hidden_layers,
+            block_size=block_size,
+            num_kv_heads=loaded.model.model.layers[0].self_attn.num_kv_heads,
+            head_size=loaded.config.head_dim,
+            dtype=loaded.dtype,
+        )
 
     @property
     def bytes_per_block(self) -> int:

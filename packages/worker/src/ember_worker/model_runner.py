@@ -15,6 +15,7 @@ import torch
 
 import ember_kernels as ek
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ember_spec_decode import SpeculativeConfig
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.kv_connector import TieredConnectorWorker
@@ -22,8 +23,9 @@ from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
-from ember_worker.sampler import Sampler, SamplerOutput
+from ember_worker.sampler import Sampler
 from ember_worker.sampling_metadata import build_sampling_metadata
+from ember_worker.spec_decode import SpeculativeDecoder, logprobs_per_token
 from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
 
 
@@ -40,6 +42,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         grammar_compiler: XGrammarCompiler | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model = loaded.model
         self.device = device
@@ -60,19 +63,30 @@ class ModelRunner:
         self.grammar_matchers = (
             None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs)
         )
-        self.kv_cache_spec = KVCacheSpec(
-            num_layers=loaded.config.num_hidden_layers,
-            block_size=block_size,
-            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
-            head_size=loaded.config.head_dim,
-            dtype=loaded.dtype,
+        self.spec_decoder = (
+            None
+            if speculative_config is None
+            else SpeculativeDecoder(speculative_config, self.input_batch, loaded, device)
         )
+        self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: TieredConnectorWorker | None = None
+
+    def num_kv_blocks_for(self, memory_bytes: int) -> int:
+        """Blocks that ``memory_bytes`` hold, for the target's KV and a draft model's together
+        (they share block ids)."""
+        spec = self.kv_cache_spec
+        draft = self.spec_decoder.draft_model if self.spec_decoder is not None else None
+        if draft is not None:
+            per_block = spec.bytes_per_block + draft.kv_cache_spec.bytes_per_block
+            return spec.num_blocks_for(memory_bytes * spec.bytes_per_block // per_block)
+        return spec.num_blocks_for(memory_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches)
+        if self.spec_decoder is not None and self.spec_decoder.draft_model is not None:
+            self.spec_decoder.draft_model.initialize_kv_cache(num_blocks, self.device)
 
     def register_kv_connector(self, connector: TieredConnectorWorker) -> None:
         """Move KV chunks between this runner's cache and a tier store (after initialize)."""
@@ -91,10 +105,10 @@ class ModelRunner:
         return output
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise NotImplementedError(
-                "speculative decoding is not implemented in the model runner "
-                "(scheduled_spec_decode_tokens must be empty)"
+        spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_decode_tokens and self.spec_decoder is None:
+            raise ValueError(
+                "scheduled_spec_decode_tokens needs a model runner built with a speculative_config"
             )
         self._update_states(scheduler_output)
         batch = self.input_batch
@@ -106,9 +120,10 @@ class ModelRunner:
         index = batch.req_id_to_index
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             num_scheduled[index[req_id]] = count
-        batch.set_num_scheduled_tokens(num_scheduled)
+        batch.set_num_scheduled_tokens(num_scheduled, spec_decode_tokens)
         inputs = self.input_buffers.prepare()
-        hidden_states = self.model(inputs.input_ids, inputs.positions, _attention_metadata(inputs))
+        metadata = _attention_metadata(inputs)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, metadata)
         pooler_output = {}
         if self.pooler.params:
             pooler_output = self.pooler.pool(hidden_states, batch, num_scheduled)
@@ -119,6 +134,29 @@ class ModelRunner:
                 )
 
         prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
+        if self.spec_decoder is not None:
+            sampled, logprobs, drafts = self.spec_decoder.step(
+                self.model,
+                hidden_states,
+                self.sampler,
+                self.grammar_matchers,
+                num_scheduled,
+                spec_decode_tokens,
+                inputs.input_ids,
+                inputs.positions,
+                metadata,
+            )
+            for req_id in self.pooler.params:  # rows sampled alongside, for nothing
+                sampled[index[req_id]] = drafts[index[req_id]] = []
+            return ModelRunnerOutput(
+                req_ids,
+                dict(index),
+                sampled,
+                logprobs,
+                prompt_logprobs,
+                spec_token_ids=drafts,
+                pooler_output=pooler_output,
+            )
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         if self.grammar_matchers:
             self.grammar_matchers.apply_bitmask(logits, index)
@@ -132,7 +170,7 @@ class ModelRunner:
             req_ids=req_ids,
             req_id_to_index=dict(index),
             sampled_token_ids=sampled,
-            logprobs=_logprobs_per_sampled_token(sampler_output, sampled),
+            logprobs=logprobs_per_token(sampler_output, sampled),
             prompt_logprobs=prompt_logprobs,
             pooler_output=pooler_output,
         )
@@ -212,28 +250,3 @@ def _attention_metadata(inputs: ModelInputs) -> AttentionMetadata:
         max_query_len=inputs.max_query_len,
         max_seq_len=inputs.max_seq_len,
     )
-
-
-def _logprobs_per_sampled_token(
-    sampler_output: SamplerOutput, sampled: list[list[int]]
-) -> Logprobs | None:
-    """One row per sampled token in row order, as the scheduler reads them; rows of requests
-    that did not ask for logprobs are empty."""
-    if sampler_output.logprobs is None:
-        return None
-    asked = dict(zip(sampler_output.logprobs_rows, range(len(sampler_output.logprobs_rows))))
-    got = sampler_output.logprobs
-    result = Logprobs([], [], [])
-    for row, tokens in enumerate(sampled):
-        if not tokens:
-            continue
-        i = asked.get(row)
-        if i is None:
-            result.token_ids.append([])
-            result.logprobs.append([])
-            result.ranks.append(0)
-        else:
-            result.token_ids.append(got.token_ids[i])
-            result.logprobs.append(got.logprobs[i])
-            result.ranks.append(got.ranks[i])
-    return result

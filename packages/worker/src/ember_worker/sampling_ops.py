@@ -118,7 +118,10 @@ def _mask_below_threshold(
         ascending.masked_fill_(position[None, :] < first_kept[:, None], _NEG_INF)
         cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
         mass_above = cumulative[:, -1:] - cumulative  # of the strictly more likely tokens
-        first_kept = (mass_above >= _top_p_limit(top_p)[:, None]).sum(dim=-1)
+        # at least top-k's cut: a row without top-p (limit inf) would otherwise count none
+        first_kept = torch.maximum(
+            first_kept, (mass_above >= _top_p_limit(top_p)[:, None]).sum(dim=-1)
+        )
         first_kept = first_kept.clamp(max=vocab - 1)
     threshold = ascending.gather(1, first_kept[:, None])
     return logits.masked_fill(logits < threshold, _NEG_INF)

@@ -1,0 +1,105 @@
+"""Speculative decoding end to end: greedy outputs equal transformers' token for token.
+
+Both proposers (prompt lookup; a draft model, one layer with the same tokenizer, and the target
+as its own draft, where every draft must be accepted), for every architecture, under
+preemption, chunked prefill and prefix caching. Seeded sampling with speculation is reproducible
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_parity import assert_matches_hf, greedy, make_engine, parity_prompts, run
+
+from ember_scheduler.sampling_params import SamplingParams
+from ember_spec_decode import SpeculativeConfig
+from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path
+
+NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def one_layer_draft(arch: str) -> SpeculativeConfig:
+    path = tiny_model_path(arch, seed=7, num_hidden_layers=1)
+    return SpeculativeConfig("draft_model", 3, model=str(path))
+
+
+# (KV blocks, step token budget, prefix caching): preemption, chunked prefill, prefix caching.
+SETTINGS = {
+    "preemption": dict(num_blocks=40),
+    "chunked-prefill": dict(max_num_batched_tokens=24),
+    "prefix-caching": dict(prefix_caching=True),
+}
+
+
+def run_twice_if_cached(core, prefix_caching: bool):
+    """Generate the parity prompts; with prefix caching, a second time over the warm cache."""
+    outputs, totals = run(core, parity_prompts(), greedy, prefix="a-")
+    runs = [outputs]
+    if prefix_caching:
+        second, second_totals = run(core, parity_prompts(), greedy, prefix="b-")
+        assert second_totals["prefix_cache_hits"] > 0
+        runs.append(second)
+        for key in ("num_draft_tokens", "num_accepted_tokens", "num_preemptions"):
+            totals[key] += second_totals[key]
+    return runs, totals
+
+
+# Preemption, chunked prefill and prefix caching at once: a small pool, a small step budget,
+# and a second run over the warm cache.
+COMBINED = dict(num_blocks=64, max_num_batched_tokens=40, prefix_caching=True)
+
+
+def assert_greedy_parity(arch: str, config: SpeculativeConfig, settings: dict) -> dict:
+    prefix_caching = settings.get("prefix_caching", False)
+    core = make_engine(arch, speculative_config=config, **settings)
+    runs, totals = run_twice_if_cached(core, prefix_caching)
+    if "num_blocks" in settings:
+        assert totals["num_preemptions"] > 0
+    assert totals["num_accepted_tokens"] > 0
+    for outputs in runs:
+        assert_matches_hf(arch, outputs)
+    return totals
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_ngram_greedy_parity(arch):
+    assert_greedy_parity(arch, NGRAM, COMBINED)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_draft_model_greedy_parity(arch):
+    assert_greedy_parity(arch, one_layer_draft(arch), COMBINED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("proposer", ["ngram", "draft-model"])
+def test_greedy_parity_per_setting(arch, setting, proposer):
+    config = NGRAM if proposer == "ngram" else one_layer_draft(arch)
+    assert_greedy_parity(arch, config, SETTINGS[setting])
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHITECTURES]
+)
+def test_target_as_its_own_draft_accepts_every_draft(arch):
+    config = SpeculativeConfig("draft_model", 4, model=str(tiny_model_path(arch)))
+    core = make_engine(arch, speculative_config=config, num_blocks=64, max_num_batched_tokens=40)
+    outputs, totals = run(core, parity_prompts(), greedy)
+    assert totals["num_draft_tokens"] > 0
+    assert totals["num_accepted_tokens"] == totals["num_draft_tokens"]
+    assert_matches_hf(arch, outputs)
+
+
+@pytest.mark.parametrize("config", [NGRAM, one_layer_draft("llama")], ids=["ngram", "draft-model"])
+def test_seeded_sampling_is_reproducible_whatever_the_batch(config):
+    prompts = parity_prompts()
+
+    def seeded(i):
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, max_tokens=32)
+
+    alone, _ = run(make_engine("llama", speculative_config=config), prompts[:1], seeded)
+    together, totals = run(make_engine("llama", speculative_config=config), prompts, seeded)
+    assert totals["num_draft_tokens"] > 0
+    assert alone[0]["tokens"] == together[0]["tokens"]
