@@ -21,6 +21,8 @@ PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml
 # Packages whose tests build tiny Hugging Face models through the private `testing` helper.
 USES_TEST_MODELS = {"worker", "server"}
 TESTING = ROOT / "testing"
+# Packages whose benchmarks drive the whole engine (spec-decode times it with and without drafts).
+BENCHMARKS_USE_STACK = {"spec-decode"}
 STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
 
 
@@ -130,7 +132,10 @@ def benchmarks(session: nox.Session, package: str) -> None:
     scripts = sorted(glob.glob(str(PACKAGES_DIR / package / "benchmarks" / "bench_*.py")))
     if not scripts:
         session.skip(f"{package} has no benchmarks yet")
-    _install_package(session, package)
+    if package in BENCHMARKS_USE_STACK:
+        _install_stack(session)
+    else:
+        _install_package(session, package)
     for script in scripts:
         session.run("python", script, *session.posargs)
 

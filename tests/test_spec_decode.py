@@ -9,7 +9,7 @@ whatever else is in the batch.
 from __future__ import annotations
 
 import pytest
-from test_parity import assert_matches_hf, greedy, make_engine, parity_prompts, run
+from test_parity import MAX_MODEL_LEN, assert_matches_hf, greedy, make_engine, parity_prompts, run
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_spec_decode import SpeculativeConfig
@@ -103,3 +103,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(config):
     together, totals = run(make_engine("llama", speculative_config=config), prompts, seeded)
     assert totals["num_draft_tokens"] > 0
     assert alone[0]["tokens"] == together[0]["tokens"]
+
+
+def test_a_run_reaching_max_model_len_mid_step_is_cut_there():
+    # The target as its own draft proposes 4 tokens every step; the context fills in the middle.
+    config = SpeculativeConfig("draft_model", 4, model=str(tiny_model_path("llama")))
+    prompt = parity_prompts()[-1][:100] * 2 + [7] * (MAX_MODEL_LEN - 207)
+    until_full = SamplingParams(temperature=0.0, ignore_eos=True)
+    got, _ = run(make_engine("llama", speculative_config=config), [prompt], lambda i: until_full)
+    want, _ = run(make_engine("llama"), [prompt], lambda i: until_full)
+    assert len(prompt) + len(got[0]["tokens"]) == MAX_MODEL_LEN
+    assert got[0]["tokens"] == want[0]["tokens"]

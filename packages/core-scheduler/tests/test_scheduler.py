@@ -379,6 +379,39 @@ def test_speculative_tokens_get_slots_and_rejections_roll_back(num_spec_tokens):
     _assert_all_free(engine)
 
 
+def test_stops_inside_an_accepted_run_truncate_it_and_drafts_are_counted():
+    engine, executor = _engine(
+        num_blocks=32,
+        block_size=4,
+        num_spec_tokens=3,
+        num_lookahead_tokens=3,
+        max_num_batched_tokens=32,
+        max_model_len=40,
+    )
+    prompts = _prompts(8, seed=5)
+    cases = {
+        rid: SamplingParams(max_tokens=[5, 9, 30][i % 3], stop_token_ids=[i % 7 + 1])
+        for i, rid in enumerate(prompts)
+    }
+    for rid, prompt in prompts.items():
+        engine.add_request(make_request(rid, prompt, cases[rid]))
+    results, stats = run_to_completion(engine)
+    for rid, prompt in prompts.items():
+        tokens, reason, _ = reference_output(prompt, cases[rid], 40)
+        assert (results[rid].token_ids, results[rid].finish_reason) == (tokens, reason)
+    scheduled = [
+        d for so in executor.scheduler_outputs for d in so.scheduled_spec_decode_tokens.values()
+    ]
+    spec = [s.spec_decoding for s in stats if s.spec_decoding is not None]
+    assert sum(s.num_drafts for s in spec) == len(scheduled) > 0
+    assert sum(s.num_draft_tokens for s in spec) == sum(len(d) for d in scheduled)
+    accepted = sum(s.num_accepted_tokens for s in spec)
+    assert 0 < accepted < sum(len(d) for d in scheduled)
+    per_pos = [sum(p) for p in zip(*(s.num_accepted_tokens_per_pos + [0] * 3 for s in spec))]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
+    _assert_all_free(engine)
+
+
 def test_logprobs_follow_their_tokens_and_prompt_logprobs_survive_preemption():
     engine, _ = _engine(num_blocks=9, block_size=4, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=12, logprobs=1, prompt_logprobs=0, ignore_eos=True)

@@ -67,3 +67,29 @@ def test_parse_bytes_units():
     assert parse_bytes("1.5k") == 1500
     with pytest.raises(ValueError, match="kv_cache_memory"):
         parse_bytes("lots")
+
+
+def test_speculative_config_from_the_command_line():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    flag = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(["--model", "/m", "--speculative-config", flag])
+    )
+    assert args.speculative_config.method == "ngram"
+    assert args.speculative_config.num_speculative_tokens == 4
+    assert args.speculative_config.prompt_lookup_min == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/m", "--speculative-config", "{not json"])
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ],
+)
+def test_bad_speculative_config_names_the_field(config, field):
+    with pytest.raises(ValueError, match=f"speculative_config.{field}"):
+        EngineArgs(model="/m", speculative_config=config)

@@ -21,6 +21,7 @@ from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor import InProcessExecutor
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
+from ember_worker.sampling_metadata import build_sampling_metadata
 from ember_worker.spec_sampling import processed_probs
 
 VOCAB = 8
@@ -56,7 +57,7 @@ def test_processed_probs_is_the_distribution_the_sampler_draws_from():
     for i, p in enumerate(params):
         batch.add_request(NewRequestData(f"r{i}", [1, 2], [], p, [0], 0))
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5
-    metadata = batch.sampling_metadata()
+    metadata = build_sampling_metadata(batch)
     probs = processed_probs(logits, batch.rows[: len(params)])
     torch.manual_seed(0)
     for row, name in enumerate(SETTINGS):

@@ -484,8 +484,13 @@ class Scheduler:
                         request, scheduled_spec.get(req_id), new_token_ids
                     )
                 if spec_token_ids is not None:
-                    # drafts to verify next step, no more than max_tokens can still use
-                    room = request.max_tokens - request.num_output_tokens - len(new_token_ids) - 1
+                    # drafts to verify next step, no more than max_tokens and the context can
+                    # still take with the target's own token after them
+                    room = min(
+                        request.max_tokens - request.num_output_tokens,
+                        self.max_num_tokens - request.num_tokens,
+                    )
+                    room -= len(new_token_ids) + 1
                     request.spec_token_ids = spec_token_ids[index][: max(room, 0)]
                 new_token_ids, finish_reason = self._append_until_stop(request, new_token_ids)
 

@@ -80,8 +80,8 @@ class EngineArgs:
     # "auto": pooling for a *ForSequenceClassification checkpoint, else generate.
     runner: str = "auto"
     pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
-    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}); a SpeculativeConfig after
-    speculative_config: dict | SpeculativeConfig | None = None
+    # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -192,6 +192,8 @@ class EngineArgs:
             help='KV connector as JSON, e.g. \'{"kv_connector": "TieredConnector", "kv_role": '
             '"kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"type": '
             '"disk", "path": "/tmp/kv", "max_bytes": 10000000000}]}}\'.',
+        )
+        group.add_argument(
             "--speculative-config",
             type=_json_object,
             default=None,

@@ -84,8 +84,13 @@ class DraftModelProposer:
             return Proposal(drafts, counts)
         state = batch.rows[rows]
         last = batch.num_tokens_no_spec[rows].astype(np.int64) - 1
-        # Stop short of max_model_len: the scheduler would cut those drafts anyway.
-        count = np.minimum(k, batch.max_model_len - 1 - last).clip(min=0)
+        # Only into slots the row's blocks hold (the scheduler's lookahead stops at the context
+        # limit), and short of max_model_len, where the scheduler would cut the drafts anyway.
+        room = np.minimum(
+            batch.num_blocks[rows].astype(np.int64) * batch.block_size - last,
+            batch.max_model_len - 1 - last,
+        )
+        count = np.minimum(k, room).clip(min=0)
         device = next(self.model.parameters()).device
         tokens = torch.from_numpy(batch.token_ids_cpu[rows, last].astype(np.int64))
         draw = uniforms(state, np.arange(k)[None, :].repeat(len(rows), 0), DRAFT_STREAM)
