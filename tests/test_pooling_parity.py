@@ -16,7 +16,13 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from ember_scheduler import EngineCoreRequest, PoolingParams, SamplingParams
+from ember_scheduler import (
+    EngineCore,
+    EngineCoreRequest,
+    PoolingParams,
+    SamplingParams,
+    SchedulerConfig,
+)
 from ember_server.llm import LLM
 from ember_testing.tiny_models import (
     ARCHITECTURES,
@@ -24,6 +30,7 @@ from ember_testing.tiny_models import (
     tiny_classifier_path,
     tiny_model_path,
 )
+from ember_worker.executor import InProcessExecutor
 
 TOLERANCE = 1e-4
 TOKEN_BUDGET = 64  # prompts longer than this are chunked
@@ -204,3 +211,41 @@ def test_generation_is_unchanged_by_pooling_alongside(tiny_model):
         embedded[0].outputs.embedding, _reference(hidden[0], "last", True), atol=TOLERANCE
     )
     llm.shutdown()
+
+
+@pytest.mark.parametrize("pooling_type", ["mean", "cls", "last"])
+def test_pooling_survives_preemption(tiny_model, pooling_type):
+    """Six prompts prefilled side by side in chunks of 32 tokens, with a KV pool too small for
+    them all: requests mid-prompt are preempted and redone (their partial pools start over), and
+    every result still matches transformers."""
+    path = tiny_model("llama")
+    block_size = 16
+    executor = InProcessExecutor(
+        path,
+        max_model_len=512,
+        max_num_batched_tokens=192,
+        block_size=block_size,
+        # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token.
+        kv_cache_memory=24 * block_size * 512,
+    )
+    assert executor.num_kv_blocks == 24
+    config = SchedulerConfig(
+        max_num_batched_tokens=192, max_model_len=512, long_prefill_token_threshold=32
+    )
+    core = EngineCore(executor, config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [f"{i} " + PROMPTS[1] for i in range(6)]  # ~150 tokens each, no shared prefix
+    params = PoolingParams(pooling_type=pooling_type)
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt).input_ids
+        core.add_request(EngineCoreRequest(str(i), ids, SamplingParams(), pooling_params=params))
+    pooled, preemptions = {}, 0
+    while core.has_unfinished_requests():
+        outputs = core.step()
+        preemptions += outputs.scheduler_stats.num_preemptions
+        pooled.update({o.request_id: o.pooling_output for o in outputs.outputs})
+    assert preemptions > 0
+    for i, hidden in enumerate(_hf_hidden_states(path, prompts)):
+        vector = np.frombuffer(pooled[str(i)], dtype="<f4")
+        expected = _reference(hidden, pooling_type, True)
+        np.testing.assert_allclose(vector, expected, atol=TOLERANCE, rtol=0)
