@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from ember_scheduler import SamplingParams
 from ember_server.cli import main
@@ -63,3 +64,14 @@ def test_a_mixed_batch_gives_one_result_per_line_in_order(tiny_model, tmp_path):
         np.testing.assert_allclose(got["embedding"], want.outputs.embedding, atol=1e-5)
     assert isinstance(out[8]["response"]["body"]["data"][0]["embedding"], str)
     llm.shutdown()
+
+
+def test_an_unreadable_input_or_unwritable_output_fails_before_the_engine_starts(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(_line("a", "/v1/completions", {"prompt": "x"}) + "\n")
+    for input_path, output_path in (
+        (tmp_path / "missing.jsonl", tmp_path / "out.jsonl"),
+        (requests, tmp_path / "no-such-dir" / "out.jsonl"),
+    ):
+        with pytest.raises(SystemExit, match="ember run-batch: error: cannot open"):
+            main(["run-batch", "-i", str(input_path), "-o", str(output_path), "/no/model"])

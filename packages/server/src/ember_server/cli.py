@@ -93,6 +93,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _run_batch(args: argparse.Namespace) -> int:
     from ember_server.run_batch import run_batch
 
+    for path, mode in ((args.input, "r"), (args.output, "a")):
+        try:
+            open(path, mode).close()  # fail now, not after the engine started or the batch ran
+        except OSError as exc:
+            raise SystemExit(
+                f"ember run-batch: error: cannot open {path}: {exc.strerror}"
+            ) from None
     failed = asyncio.run(run_batch(EngineArgs.from_cli_args(args), args.input, args.output))
     if failed:
         logger.warning("%d request(s) failed; their errors are in %s", failed, args.output)
