@@ -213,7 +213,14 @@ def test_generation_is_unchanged_by_pooling_alongside(tiny_model):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("pooling_type", ["mean", "cls", "last"])
+@pytest.mark.parametrize(
+    "pooling_type",
+    [
+        "mean",
+        pytest.param("cls", marks=pytest.mark.slow),
+        pytest.param("last", marks=pytest.mark.slow),
+    ],
+)
 def test_pooling_survives_preemption(tiny_model, pooling_type):
     """Six prompts prefilled side by side in chunks of 32 tokens, with a KV pool too small for
     them all: requests mid-prompt are preempted and redone (their partial pools start over), and

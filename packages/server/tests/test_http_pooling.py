@@ -74,6 +74,40 @@ def test_embeddings_through_the_openai_client_match_transformers(generate_server
             np.testing.assert_allclose(data.embedding, truncated, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "pooling_type", "normalize"),
+    [("llama", "mean", True), ("mistral", "cls", False), ("qwen2", "last", False),
+     ("qwen3", "mean", False)],
+)  # fmt: skip
+def test_every_architecture_embeds_over_http(tiny_model, arch, pooling_type, normalize):
+    """A pooling server per architecture: float and base64 embeddings of unequal, chunked
+    prompts through the openai client match transformers."""
+    path = tiny_model(arch)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32)
+    expected = []
+    with torch.no_grad():
+        for text in TEXTS:
+            hidden = model(tokenizer(text, return_tensors="pt").input_ids).last_hidden_state[0]
+            vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling_type]
+            expected.append((vector / vector.norm() if normalize else vector).numpy())
+    with ServerThread(_args(path, runner="pooling", pooling_type=pooling_type)) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        for encoding_format in ("float", "base64"):
+            response = client.embeddings.create(
+                model=server.engine.served_model_name,
+                input=TEXTS,
+                encoding_format=encoding_format,
+                extra_body={"normalize": normalize},
+            )
+            for data, reference in zip(response.data, expected):
+                embedding = data.embedding
+                if encoding_format == "base64":
+                    embedding = np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+                np.testing.assert_allclose(embedding, reference, atol=TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
