@@ -28,6 +28,7 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    enable_kv_events: bool = False  # the engine core reports prefix-cache changes in its outputs
     num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -5,9 +5,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from ember_kv_cache import KVCacheManager, KVTransferConfig, TieredConnectorScheduler, TieredKVStore
+from ember_kv_cache import (
+    AllBlocksCleared,
+    BlockStored,
+    KVCacheManager,
+    KVTransferConfig,
+    TieredConnectorScheduler,
+    TieredKVStore,
+)
 from ember_scheduler.config import SchedulerConfig
-from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
+from ember_scheduler.engine_types import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVBlocksRemoved,
+    KVBlocksStored,
+    KVCacheCleared,
+    KVEvent,
+)
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.scheduler import Scheduler
@@ -73,6 +87,7 @@ class EngineCore:
             executor.block_size,
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
+            enable_kv_events=config.enable_kv_events,
         )
         connector = None
         if kv_transfer_config is not None:
@@ -123,10 +138,26 @@ class EngineCore:
             # Only requests waiting for their grammars, if any: wait a little for the first.
             scheduler.poll_grammars(_GRAMMAR_WAIT_S)
             if not scheduler.waiting and not scheduler.has_kv_loads():
-                return scheduler.take_pending_outputs()
+                return self._with_kv_events(scheduler.take_pending_outputs())
         scheduler_output = scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
-        return scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        return self._with_kv_events(outputs)
+
+    def _with_kv_events(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Attach the prefix-cache changes since the last step, consecutive ones of a kind
+        batched (empty unless the config enables KV events)."""
+        events: list[KVEvent] = []
+        for event in self.kv_cache_manager.take_events():
+            if isinstance(event, AllBlocksCleared):
+                events.append(KVCacheCleared())
+                continue
+            kind = KVBlocksStored if isinstance(event, BlockStored) else KVBlocksRemoved
+            if not events or type(events[-1]) is not kind:
+                events.append(kind([]))
+            events[-1].block_hashes.append(event.block_hash)
+        outputs.kv_events = events
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_requests()

@@ -95,10 +95,35 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
 
 
+class KVBlocksStored(msgspec.Struct, tag="stored", array_like=True):
+    """Blocks that entered the engine's prefix cache, by their chained block hashes."""
+
+    block_hashes: list[bytes]
+
+
+class KVBlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
+    """Cached blocks the engine evicted, by their chained block hashes."""
+
+    block_hashes: list[bytes]
+
+
+class KVCacheCleared(msgspec.Struct, tag="cleared", array_like=True):
+    """The engine dropped its whole prefix cache."""
+
+
+# What a front end needs of the kv-cache manager's events to mirror an engine's prefix cache.
+KVEvent = KVBlocksStored | KVBlocksRemoved | KVCacheCleared
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One step's outputs for every request that changed."""
+    """One step's outputs for every request that changed.
+
+    ``kv_events`` (only from an engine core built with ``enable_kv_events``) are the prefix-cache
+    changes since the previous outputs, oldest first.
+    """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     error: str | None = None  # set when the engine core failed; the front end fails all requests
+    kv_events: list[KVEvent] = msgspec.field(default_factory=list)
