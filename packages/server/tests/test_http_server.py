@@ -35,14 +35,18 @@ PROMPTS = ["def main(argv):\n    ", "The quick brown fox", "import json\n"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module")
-def engine_args(tiny_model) -> EngineArgs:
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"]
+)
+def engine_args(tiny_model, request) -> EngineArgs:
+    """The suite runs against one engine core, and (slow) against two behind one server."""
     return EngineArgs(
         model=str(tiny_model("llama")),
         max_model_len=128,
         max_num_seqs=16,
         kv_cache_memory=2 * 1024**2,
         served_model_name=MODEL_NAME,
+        data_parallel_size=request.param,
     )
 
 
@@ -61,7 +65,7 @@ def client(server) -> openai.OpenAI:
 def offline(engine_args):
     from ember_server.llm import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_args))
+    llm = LLM(**dataclasses.asdict(dataclasses.replace(engine_args, data_parallel_size=1)))
     yield llm
     llm.shutdown()
 

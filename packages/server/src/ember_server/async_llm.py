@@ -1,16 +1,19 @@
-"""The asynchronous front end for serving: ``AsyncLLM`` over an engine core process."""
+"""The asynchronous front end for serving: ``AsyncLLM`` over one or more engine core processes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
-from ember_scheduler.engine_types import SchedulerStats
+from ember_kv_cache import BlockHasher, BlockHashExtras
+from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.core_client import AsyncMPClient, EngineDeadError
+from ember_server.data_parallel import DataParallelRouter
 from ember_server.engine_args import EngineArgs
 from ember_server.input_processor import InputProcessor, PromptType
 from ember_server.metrics import EngineMetrics, IterationStats
@@ -24,11 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    """Tokenizes, detokenizes and streams in the event loop; the engine core runs in its own process.
+    """Tokenizes, detokenizes and streams in the event loop; each engine core runs in its own
+    process (``data_parallel_size`` of them, routed by ``DataParallelRouter``).
 
-    Build it with ``await AsyncLLM.start(args)`` inside the event loop that will use it. If the
-    engine process dies, ``errored`` turns true at once, every in-flight ``generate`` raises
-    ``EngineDeadError`` and new ones are refused.
+    Build it with ``await AsyncLLM.start(args)`` inside the event loop that will use it. If an
+    engine process dies, its in-flight requests raise ``EngineDeadError`` at once and the others
+    go on; once no engine is left, ``errored`` turns true and new requests are refused.
     """
 
     def __init__(
@@ -36,52 +40,70 @@ class AsyncLLM:
         args: EngineArgs,
         model_config: ModelConfig,
         tokenizer,
-        client: AsyncMPClient,
+        clients: list[AsyncMPClient],
         metrics: EngineMetrics,
     ) -> None:
         self.engine_args = args
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.client = client
+        self.clients = clients
         self.metrics = metrics
-        ready = client.ready
+        ready = clients[0].ready
         self.input_processor = InputProcessor(
-            tokenizer, model_config, max_num_kv_tokens=ready.max_num_kv_tokens
+            tokenizer,
+            model_config,
+            max_num_kv_tokens=min(client.ready.max_num_kv_tokens for client in clients),
         )
         self.output_processor = OutputProcessor(tokenizer)
-        self.scheduler_stats = SchedulerStats()  # the latest the engine core reported
+        hasher = BlockHasher(ready.block_size, ready.prefix_caching_hash_algo)
+        self.router = DataParallelRouter(len(clients), hasher)
+        self.engine_stats = [SchedulerStats() for _ in clients]  # the latest each reported
+        self.engine_errors: list[EngineDeadError | None] = [None] * len(clients)
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._shut_down = False
-        self._output_task = asyncio.ensure_future(self._run_output_handler())
+        for index in range(len(clients)):
+            metrics.record_engine_alive(index, True)
+        self._output_tasks = [
+            asyncio.ensure_future(self._run_output_handler(index)) for index in range(len(clients))
+        ]
 
     @classmethod
     async def start(cls, args: EngineArgs, *, startup_timeout: float = 600.0) -> AsyncLLM:
-        """Spawn the engine core process and, while it loads the model, the tokenizer here;
-        return once the engine's handshake arrives."""
-        dead_codes: list[int] = []
+        """Spawn the engine core processes and, while they load the model, the tokenizer here;
+        return once every engine's handshake arrives."""
+        dead_codes: dict[int, int] = {}
         engine: AsyncLLM | None = None
 
-        def on_engine_dead(code: int) -> None:
+        def on_engine_dead(index: int, code: int) -> None:
             if engine is None:
-                dead_codes.append(code)
+                dead_codes.setdefault(index, code)
             else:
-                engine._on_engine_dead(f"engine core process exited with code {code}")
+                engine._on_engine_dead(index, f"engine core process exited with code {code}")
 
-        starting = asyncio.ensure_future(
-            AsyncMPClient.start(args, on_engine_dead, startup_timeout=startup_timeout)
-        )
+        starting = [
+            asyncio.ensure_future(
+                AsyncMPClient.start(
+                    args,
+                    functools.partial(on_engine_dead, index),
+                    startup_timeout=startup_timeout,
+                )
+            )
+            for index in range(args.data_parallel_size)
+        ]
         try:
             model_config, tokenizer = await asyncio.to_thread(_load_front_end, args)
+            clients = await asyncio.gather(*starting)
         except BaseException:
-            starting.cancel()  # stops the engine process
-            with contextlib.suppress(BaseException):
-                await starting
+            for task in starting:
+                task.cancel()  # stops an engine process still starting
+            for task in starting:  # and shuts down those that started
+                with contextlib.suppress(BaseException):
+                    await (await task).shutdown()
             raise
-        client = await starting
-        engine = cls(args, model_config, tokenizer, client, EngineMetrics(args.model_name))
-        if dead_codes:
-            engine._on_engine_dead(f"engine core process exited with code {dead_codes[0]}")
+        engine = cls(args, model_config, tokenizer, clients, EngineMetrics(args.model_name))
+        for index, code in dead_codes.items():
+            engine._on_engine_dead(index, f"engine core process exited with code {code}")
         return engine
 
     @property
@@ -94,13 +116,35 @@ class AsyncLLM:
 
     @property
     def engine_core_pid(self) -> int | None:
-        return self.client.pid
+        """The first engine core's process id (the only one without data parallelism)."""
+        return self.clients[0].pid
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The latest stats of the engine cores, summed (usage averaged) over the live ones."""
+        live = [s for s, e in zip(self.engine_stats, self.engine_errors, strict=True) if e is None]
+        return _sum_stats(live)
+
+    def engine_states(self) -> list[dict]:
+        """Per engine core: its index, process id, whether it is alive, and why not."""
+        return [
+            {
+                "index": index,
+                "pid": client.pid,
+                "alive": self.engine_errors[index] is None and client.is_alive(),
+                "error": None
+                if self.engine_errors[index] is None
+                else str(self.engine_errors[index]),
+            }
+            for index, client in enumerate(self.clients)
+        ]
 
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self.client.is_alive()
+        """True while some engine core is alive and serving."""
+        return self.dead_error is None and any(state["alive"] for state in self.engine_states())
 
     async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` unless the engine core is alive."""
+        """Raise ``EngineDeadError`` unless an engine core is alive."""
         if not self.is_healthy():
             raise self.dead_error or EngineDeadError("engine core process is not running")
 
@@ -158,7 +202,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self.client.add_requests([request])
+            await self._send(request_id, [request])
             item = await queue.get()
             finished = True
             if isinstance(item, BaseException):
@@ -168,6 +212,19 @@ class AsyncLLM:
             if not finished:
                 await self._abort(request_id)
             self._queues.pop(request_id, None)
+            self.router.finish(request_id)
+
+    async def _send(self, request_id: str, engine_requests: list[EngineCoreRequest]) -> None:
+        """Route one front-end request (all its ``n`` children together) and send it."""
+        first = engine_requests[0]
+        extras = None
+        if first.cache_salt is not None or first.lora_name is not None:
+            extras = BlockHashExtras(lora_name=first.lora_name, cache_salt=first.cache_salt)
+        decision = self.router.route(
+            request_id, first.prompt_token_ids, extras, load=len(engine_requests)
+        )
+        self.metrics.record_route(decision.engine, decision.reason)
+        await self.clients[decision.engine].add_requests(engine_requests)
 
     async def _stream_outputs(
         self, request_id, text, sampling_params, engine_requests, kind
@@ -182,7 +239,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self.client.add_requests(engine_requests)
+            await self._send(request_id, engine_requests)
             while not finished:
                 item = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(item, BaseException):
@@ -196,6 +253,7 @@ class AsyncLLM:
             if not finished:
                 await self._abort(request_id)
             self._queues.pop(request_id, None)
+            self.router.finish(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` ends with a final output whose reason is "abort"."""
@@ -209,27 +267,30 @@ class AsyncLLM:
             for final in finals:
                 if queue is not None:
                     queue.put_nowait(final)
-        if engine_ids and self.dead_error is None:
+        engine = self.router.engine_of(request_id)
+        if engine_ids and engine is not None and self.engine_errors[engine] is None:
             with contextlib.suppress(EngineDeadError):
-                await self.client.abort_requests(engine_ids)
+                await self.clients[engine].abort_requests(engine_ids)
 
-    async def _run_output_handler(self) -> None:
+    async def _run_output_handler(self, index: int) -> None:
         try:
-            await self._handle_outputs()
+            await self._handle_outputs(index)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a front-end bug must not leave requests waiting forever
-            self._on_engine_dead(f"output handler failed: {exc!r}")
+            self._on_engine_dead(index, f"output handler failed: {exc!r}")
             raise
 
-    async def _handle_outputs(self) -> None:
-        client = self.client
+    async def _handle_outputs(self, index: int) -> None:
+        client = self.clients[index]
         processor = self.output_processor
         while True:
             outputs = await client.get_output()
             if outputs.error is not None:
-                self._on_engine_dead(f"engine core failed:\n{outputs.error}")
+                self._on_engine_dead(index, f"engine core failed:\n{outputs.error}")
                 return
+            if outputs.kv_events:
+                self.router.apply_events(index, outputs.kv_events)
             stats = IterationStats()
             processed = processor.process_outputs(outputs.outputs, stats)
             for output in processed.request_outputs:
@@ -246,34 +307,65 @@ class AsyncLLM:
                 with contextlib.suppress(EngineDeadError):
                     await client.abort_requests(processed.reqs_to_abort)
             if outputs.scheduler_stats is not None:
-                self.scheduler_stats = outputs.scheduler_stats
-                self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+                self.engine_stats[index] = outputs.scheduler_stats
+                self.metrics.record_scheduler_stats(outputs.scheduler_stats, self.scheduler_stats)
             self.metrics.record_iteration(stats)
 
-    def _on_engine_dead(self, reason: str) -> None:
-        if self.dead_error is not None:
+    def _on_engine_dead(self, index: int, reason: str) -> None:
+        """Fail the requests of engine ``index`` at once; with no engine left, fail everything."""
+        if self.engine_errors[index] is not None:
             return
-        self.dead_error = EngineDeadError(reason)
-        logger.error("engine is dead, failing %d requests: %s", len(self._queues), reason)
-        for queue in self._queues.values():
-            queue.put_nowait(self.dead_error)
-        if not self._output_task.done():
-            self._output_task.cancel()
+        if len(self.clients) > 1:
+            reason = f"engine core {index} is dead: {reason}"
+        error = EngineDeadError(reason)
+        self.engine_errors[index] = error
+        self.router.mark_dead(index)
+        self.metrics.record_engine_alive(index, False)
+        request_ids = self.router.requests_on(index)
+        logger.error(
+            "engine core %d is dead, failing %d requests: %s", index, len(request_ids), reason
+        )
+        # Their state goes with them; nothing is sent to the dead engine.
+        self.output_processor.abort_requests(request_ids)
+        for request_id in request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+        task = self._output_tasks[index]
+        if not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        if all(e is not None for e in self.engine_errors) and self.dead_error is None:
+            self.dead_error = error
+            for queue in self._queues.values():
+                queue.put_nowait(error)
 
     async def shutdown(self) -> None:
-        """Stop the engine core process and fail whatever is still in flight."""
-        if not self._output_task.done():
-            self._output_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._output_task
+        """Stop the engine core processes and fail whatever is still in flight."""
+        for task in self._output_tasks:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._shut_down:
             return
         self._shut_down = True
-        await self.client.shutdown()
+        await asyncio.gather(*(client.shutdown() for client in self.clients))
         if self.dead_error is None:
             self.dead_error = EngineDeadError("engine was shut down")
             for queue in self._queues.values():
                 queue.put_nowait(self.dead_error)
+
+
+def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    if len(stats) == 1:
+        return stats[0]
+    total = SchedulerStats()
+    for item in stats:
+        total.num_running_reqs += item.num_running_reqs
+        total.num_waiting_reqs += item.num_waiting_reqs
+        total.num_unfinished_reqs += item.num_unfinished_reqs
+        total.kv_cache_usage += item.kv_cache_usage / len(stats)
+    return total
 
 
 def _load_front_end(args: EngineArgs) -> tuple[ModelConfig, object]:

@@ -25,3 +25,4 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     block_size: int
     max_model_len: int
     max_num_kv_tokens: int  # the longest prompt the scheduler can ever hold in the KV cache
+    prefix_caching_hash_algo: str  # the block hashes of its KV events (with ``block_size``)

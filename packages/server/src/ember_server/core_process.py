@@ -130,6 +130,7 @@ def run_engine_core(
             block_size=executor.block_size,
             max_model_len=model_config.max_model_len,
             max_num_kv_tokens=engine_core.max_num_tokens,
+            prefix_caching_hash_algo=engine_core.kv_cache_manager.hasher.algo,
         )
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
         try:

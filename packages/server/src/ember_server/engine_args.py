@@ -82,6 +82,8 @@ class EngineArgs:
     pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
     speculative_config: SpeculativeConfig | None = None
+    # Engine cores behind one front end (``ember serve``), each with its own KV cache and workers.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -95,7 +97,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
@@ -213,6 +215,14 @@ class EngineArgs:
             default="last",
             choices=POOLING_TYPES,
             help="How embeddings pool the prompt's hidden states.",
+        )
+        group.add_argument(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=1,
+            help="Engine cores behind this server, each with its own KV cache; requests go to "
+            "the engine holding their prompt's prefix, else to the least loaded.",
         )
         return parser
 

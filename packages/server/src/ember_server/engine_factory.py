@@ -67,5 +67,7 @@ def make_engine_core(
         num_lookahead_tokens=(
             args.speculative_config.num_lookahead_tokens if args.speculative_config else 0
         ),
+        # Data-parallel front ends route by what each engine's prefix cache holds.
+        enable_kv_events=args.data_parallel_size > 1 and args.enable_prefix_caching,
     )
     return EngineCore(executor, scheduler_config, executor.grammar_compiler, args.kv_transfer)

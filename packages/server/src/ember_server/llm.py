@@ -36,6 +36,11 @@ class LLM:
 
     def __init__(self, model: str, **engine_args) -> None:
         self.engine_args = EngineArgs(model=model, **engine_args)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError(
+                "LLM runs one engine core in this process: data_parallel_size > 1 is served by "
+                "`ember serve -dp N` (AsyncLLM)"
+            )
         self.model_config = ModelConfig.from_engine_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
         self.engine_core = make_engine_core(

@@ -145,13 +145,31 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self._engine_alive = Gauge(
+            "ember:engine_core_alive",
+            "1 while the engine core (by data-parallel index) serves, 0 once it is dead.",
+            ["model_name", "engine"],
+            registry=r,
+        )
+        self._routed_requests = Counter(
+            "ember:dp_routed_requests",
+            "Requests sent to each engine core, by why: prefix (it held the prompt's prefix) "
+            "or load (the least loaded).",
+            ["model_name", "engine", "reason"],
+            registry=r,
+        )
         self._model_name = model_name
         self._kv_connector = _KVConnectorMetrics(r, model_name)
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+    def record_scheduler_stats(
+        self, stats: SchedulerStats, gauges: SchedulerStats | None = None
+    ) -> None:
+        """Count ``stats`` (one engine's step); set the gauges from ``gauges`` (every engine's
+        latest, summed) or else from ``stats``."""
+        gauges = stats if gauges is None else gauges
+        self.num_requests_running.set(gauges.num_running_reqs)
+        self.num_requests_waiting.set(gauges.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(gauges.kv_cache_usage)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions)
@@ -179,6 +197,12 @@ class EngineMetrics:
             self.e2e_request_latency.observe(value)
         for reason in stats.finished_reasons:
             self._request_success.labels(self._model_name, reason).inc()
+
+    def record_engine_alive(self, engine: int, alive: bool) -> None:
+        self._engine_alive.labels(self._model_name, str(engine)).set(int(alive))
+
+    def record_route(self, engine: int, reason: str) -> None:
+        self._routed_requests.labels(self._model_name, str(engine), reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector (serve with ``CONTENT_TYPE``)."""

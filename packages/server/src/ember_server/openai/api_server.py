@@ -2,7 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/classify``,
 ``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
-``/detokenize``, ``/health`` (503 once the engine has failed), ``/version`` and ``/metrics``.
+``/detokenize``, ``/health`` (503 once the engine has failed; with data parallelism, each
+engine core's state, and 503 once none is left), ``/version`` and ``/metrics``.
 A ``generate`` engine answers the pooling routes too (embeddings of its decoder); a ``pooling``
 engine answers the generation routes with a 400.
 With an API key every route except ``/health``, ``/version`` and ``/metrics`` needs
@@ -128,8 +129,11 @@ def build_app(engine, api_key: str | None = None, tool_call_parser: str | None =
 
     @app.get("/health")
     async def health() -> Response:
-        common.check_engine()  # 503 once the engine has failed
-        return Response(status_code=200)
+        common.check_engine()  # 503 once no engine core is left
+        if len(engine.clients) == 1:
+            return Response(status_code=200)
+        # Data parallel: serving while any engine core lives; say which ones are dead.
+        return JSONResponse({"engines": engine.engine_states()})
 
     @app.get("/version")
     async def version() -> JSONResponse:

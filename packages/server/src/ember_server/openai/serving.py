@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server.core_client import EngineDeadError
 from ember_server.openai.errors import OpenAIError, from_value_error
 from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
 from ember_server.outputs import RequestOutput
@@ -143,7 +144,7 @@ class OpenAIServing:
             return exc
         if isinstance(exc, ValueError):  # the engine core refused the request (bad input)
             return from_value_error(exc)
-        if self.engine.errored:
+        if self.engine.errored or isinstance(exc, EngineDeadError):
             return OpenAIError(f"The engine failed while serving this request: {exc}", 503)
         logger.exception("generation failed", exc_info=exc)
         return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)
