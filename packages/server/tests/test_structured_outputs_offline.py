@@ -6,7 +6,8 @@ import jsonschema
 import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
-from ember import LLM, SamplingParams, StructuredOutputsParams
+from ember_scheduler import SamplingParams, StructuredOutputsParams
+from ember_server.llm import LLM
 
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln", "import os", "class Foo:"]
 MAX_TOKENS = 400
