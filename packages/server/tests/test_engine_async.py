@@ -3,8 +3,10 @@
 import asyncio
 import os
 
+import numpy as np
 import pytest
 
+from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.async_llm import AsyncLLM
 from ember_server.engine_args import EngineArgs
@@ -189,6 +191,37 @@ def test_metrics_follow_the_requests(loop, engine):
         'ember:request_success_total{finished_reason="length"',
     ):
         assert name in text
+
+
+def test_encode_matches_offline_and_cancelling_or_aborting_it_frees_kv(loop, engine, offline):
+    long_prompt = "import json\nclass " * 40
+
+    async def run():
+        outputs = await asyncio.gather(
+            *(engine.encode(p, PoolingParams(), f"embed-{i}") for i, p in enumerate(PROMPTS))
+        )
+        expected = offline.embed(PROMPTS, use_tqdm=False)
+        for output, want in zip(outputs, expected):
+            np.testing.assert_allclose(output.outputs.data, want.outputs.embedding, atol=1e-5)
+        with pytest.raises(ValueError, match="cannot classify"):
+            await engine.encode("x", PoolingParams(task="classify"), "no-head")
+
+        # One loop turn: each call has registered its request and is sending it to the engine.
+        cancelled = asyncio.ensure_future(engine.encode(long_prompt, PoolingParams(), "cancel"))
+        await asyncio.sleep(0)
+        assert "cancel" in engine.output_processor.pooling_requests
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        aborted = asyncio.ensure_future(engine.encode(long_prompt, PoolingParams(), "abort"))
+        await asyncio.sleep(0)
+        await engine.abort("abort")
+        with pytest.raises(ValueError, match="was aborted"):
+            await asyncio.wait_for(aborted, 10)
+        await _wait_for(lambda: engine.scheduler_stats.kv_cache_usage == 0.0)
+        assert not engine.output_processor.has_unfinished_requests()
+
+    loop.run_until_complete(run())
 
 
 def test_shutdown_stops_the_process(loop, engine):

@@ -256,7 +256,8 @@ class AsyncLLM:
             self.router.finish(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its ``generate`` ends with a final output whose reason is "abort"."""
+        """Abort a request; its ``generate`` ends with a final output whose reason is "abort",
+        its ``encode`` raises ValueError (a pooling request has no partial result)."""
         await self._abort(request_id, deliver_final=True)
 
     async def _abort(self, request_id: str, deliver_final: bool = False) -> None:
@@ -264,9 +265,11 @@ class AsyncLLM:
         self.metrics.record_iteration(IterationStats(finished_reasons=["abort"] * len(engine_ids)))
         if deliver_final:
             queue = self._queues.get(request_id)
-            for final in finals:
-                if queue is not None:
+            if queue is not None:
+                for final in finals:
                     queue.put_nowait(final)
+                if engine_ids and not finals:  # a pooling request
+                    queue.put_nowait(ValueError(f"request {request_id!r} was aborted"))
         engine = self.router.engine_of(request_id)
         if engine_ids and engine is not None and self.engine_errors[engine] is None:
             with contextlib.suppress(EngineDeadError):
