@@ -134,9 +134,12 @@ class OpenAIServing:
                 finished = output.finished
                 yield output
         finally:
-            if not finished and not self.engine.errored:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if not finished and not self.engine.errored:
                     await self.engine.abort(request_id)
+                # Close the engine's stream now (it drops its queue), not when it is collected:
+                # a stream cancelled while it holds undelivered outputs would keep them till then.
+                await outputs.aclose()
 
     def engine_failure(self, exc: BaseException) -> OpenAIError:
         """The error to report when generation failed for a reason other than bad input."""
