@@ -1,7 +1,10 @@
 """The openai-client suite of ``test_http_server`` again, against a server started with
 ``--speculative-config`` (prompt lookup), streaming included; and the spec-decode metrics move.
 
-The suite's tests are collected here a second time with this module's ``engine_args``.
+The suite's tests are collected here a second time with this module's ``engine_args``; a second
+run of the whole suite is a long sweep, so it runs in the slow session
+(``nox -s "slow(package='server')"``). The default session covers the counters and the log line in
+``test_spec_decode_metrics.py`` and speculation end to end in the root ``tests/test_spec_decode.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from test_http_server import *  # noqa: F403  (the suite, re-collected with thes
 from test_http_server import MODEL_NAME, PROMPTS
 
 from ember_server.engine_args import EngineArgs
+
+pytestmark = pytest.mark.slow
 
 SPECULATIVE_CONFIG = {
     "method": "ngram",
