@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,32 +18,15 @@ import pytest
 
 from ember import LLM, SamplingParams
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
+from ember_testing.serve_process import child_pids, free_port, is_running
 
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
-        try:
-            text = status.read_text()
-        except OSError:
-            continue
-        if f"\nPPid:\t{pid}\n" in text:
-            found.append(int(status.parent.name))
-    return found
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     command = [sys.executable, "-m", "ember_server", "serve", "--port", str(port), *FLAGS]
     with log.open("w") as sink:
@@ -71,14 +52,6 @@ def served(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-
-
-def _running(pid: int) -> bool:
-    try:
-        status = pathlib.Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in status  # a zombie has exited; only its reaping is pending
 
 
 def test_console_script_is_declared():
@@ -119,12 +92,12 @@ def test_served_greedy_text_equals_offline_api(served):
 
 def test_ctrl_c_stops_server_and_engine(served):
     process, base_url, log = served
-    engines = _children(process.pid)
+    engines = child_pids(process.pid)
     assert engines, "the engine core runs in a child process"
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0, log.read_text()
     deadline = time.monotonic() + 30
-    while any(_running(pid) for pid in engines):
+    while any(is_running(pid) for pid in engines):
         assert time.monotonic() < deadline, "the engine core outlived the server"
         time.sleep(0.1)
     with pytest.raises(httpx.TransportError):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from ember_server.cli import make_parser, resolve_model
+from ember_server.cli import UsageError, make_parser, resolve_model
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
 
@@ -24,10 +26,11 @@ def test_serve_defaults_bind_localhost():
     assert args.needs_model
 
 
-def test_serve_takes_vllm_flags_into_engine_args():
+def test_serve_takes_vllm_flags_into_engine_args(tiny_model):
+    model = str(tiny_model("llama"))
     args = _parse(
         "serve",
-        "/models/m",
+        model,
         "--host",
         "0.0.0.0",
         "--port",
@@ -56,7 +59,7 @@ def test_serve_takes_vllm_flags_into_engine_args():
     engine_args = EngineArgs.from_cli_args(args)
     assert (args.host, args.port, args.api_key) == ("0.0.0.0", 9001, "k")
     assert engine_args == EngineArgs(
-        model="/models/m",
+        model=model,
         dtype="float32",
         max_model_len=512,
         max_num_seqs=8,
@@ -69,12 +72,12 @@ def test_serve_takes_vllm_flags_into_engine_args():
     )
 
 
-def test_model_flag_and_positional_must_agree():
-    args = _parse("serve", "--model", "/a")
+def test_model_flag_and_positional_must_agree(tiny_model):
+    args = _parse("serve", "--model", str(tiny_model("llama")))
     resolve_model(args)
-    assert args.model == "/a"
+    assert args.model == str(tiny_model("llama"))
     args = _parse("serve", "/a", "--model", "/b")
-    with pytest.raises(SystemExit, match="differ"):
+    with pytest.raises(UsageError, match="differ"):
         resolve_model(args)
 
 
@@ -161,3 +164,81 @@ def test_bench_throughput_and_latency_write_json(tiny_model, tmp_path, capsys):
     assert main([*argv, "--output-json", str(out_json)]) == 0
     results = json.loads(out_json.read_text())
     assert len(results["latencies_s"]) == 2 and results["latency"]["p99_ms"] > 0
+
+
+def test_generate_takes_the_prompt_positionally_next_to_model(tiny_model, capsys):
+    from ember_server.cli import main
+
+    argv = ["generate", "--model", str(tiny_model("llama")), "def f(x):", "--max-tokens", "3",
+            "--max-model-len", "64"]  # fmt: skip
+    assert main(argv) == 0
+    assert "prompt: 'def f(x):'" in capsys.readouterr().out
+
+
+def _ember(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ember_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The error line of a failed command, checking it is the only line and has no traceback."""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("ember"), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve", "/no/such/model"], "model folder '/no/such/model' does not exist"),
+        (["serve", "--port", "eighty"], "argument --port: invalid int value: 'eighty'"),
+        (["serve", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+        (["generate", "some text"], "to pass a prompt, use --prompt 'some text'"),
+    ],
+)
+def test_command_line_mistakes_are_one_line_and_exit_2(argv, expected):
+    done = _ember(*argv)
+    assert done.returncode == 2
+    assert expected in _one_error_line(done)
+
+
+def test_setting_the_engine_refuses_is_one_line_and_exit_2(tiny_model):
+    done = _ember("serve", str(tiny_model("llama")), "--max-model-len", "0")
+    assert done.returncode == 2
+    assert "max_model_len must be a positive integer" in _one_error_line(done)
+
+
+def test_kv_memory_too_small_is_one_line_and_exit_2(tiny_model):
+    model = str(tiny_model("llama"))
+    done = _ember("serve", model, "--kv-cache-memory", "100", "--log-level", "warning")
+    assert done.returncode == 2
+    assert "kv_cache_memory of 100 bytes holds no KV block" in _one_error_line(done)
+
+
+def test_port_in_use_is_reported_before_the_model_loads(tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _ember("serve", str(tiny_model("llama")), "--port", str(port))
+    assert done.returncode == 1
+    line = _one_error_line(done)
+    assert f"127.0.0.1:{port}" in line and "in use" in line
+    assert "engine core" not in done.stdout + done.stderr  # no engine was started
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_debug_log_level_shows_the_traceback(how):
+    if how == "flag":
+        done = _ember("serve", "/no/such/model", "--log-level", "debug")
+    else:
+        done = _ember("serve", "/no/such/model", env={"EMBER_LOGGING_LEVEL": "debug"})
+    assert done.returncode == 2
+    assert "Traceback" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("ember: error: model folder")

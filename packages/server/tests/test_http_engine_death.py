@@ -1,4 +1,5 @@
-"""When the engine core process dies, requests in flight fail fast and ``/health`` turns 503."""
+"""When the engine core process dies, requests in flight fail fast, ``/health`` turns 503 and the
+gauges of ``/metrics`` drop to zero (``ember serve`` then exits 1: see test_serve_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def test_killed_engine_fails_requests_and_health(server):
     response = whole["response"]
     assert response.status_code == 503
     assert response.json()["error"]["type"] == "service_unavailable_error"
+
+    # The gauges no longer show the requests that were running, nor their KV blocks.
+    assert server.metric("ember:num_requests_running") == 0
+    assert server.metric("ember:kv_cache_usage_perc") == 0
 
     health = httpx.get(f"{server.base_url}/health", timeout=TIMEOUT)
     assert health.status_code == 503 and health.json()["error"]["code"] == 503

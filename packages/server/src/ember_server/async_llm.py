@@ -21,6 +21,7 @@ from ember_server.model_config import ModelConfig
 from ember_server.output_processor import OutputProcessor
 from ember_server.outputs import RequestOutput, RequestOutputKind
 from ember_server.pooling_outputs import PoolingRequestOutput
+from ember_server.text_encoding import TextEncoder
 from ember_server.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,12 @@ class AsyncLLM:
         self.router = DataParallelRouter(len(clients), hasher)
         self.engine_stats = [SchedulerStats() for _ in clients]  # the latest each reported
         self.engine_errors: list[EngineDeadError | None] = [None] * len(clients)
+        self.text_encoder = TextEncoder(tokenizer, model_config.max_model_len)
         self.dead_error: EngineDeadError | None = None
+        self._dead = asyncio.Event()
         self._queues: dict[str, asyncio.Queue] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._shut_down = False
         for index in range(len(clients)):
             metrics.record_engine_alive(index, True)
@@ -138,6 +143,26 @@ class AsyncLLM:
             }
             for index, client in enumerate(self.clients)
         ]
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def wait_until_dead(self) -> None:
+        """Return once the engine has failed (or was shut down)."""
+        await self._dead.wait()
+
+    async def wait_until_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    def fail_requests(self, error: EngineDeadError) -> None:
+        """Fail every request in flight with ``error`` and refuse new ones with it."""
+        if self.dead_error is None:
+            self.dead_error = error
+            self._dead.set()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def is_healthy(self) -> bool:
         """True while some engine core is alive and serving."""
@@ -237,6 +262,7 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, sampling_params, engine_requests, kind)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._idle.clear()
         finished = False
         try:
             await self._send(request_id, engine_requests)
@@ -254,6 +280,8 @@ class AsyncLLM:
                 await self._abort(request_id)
             self._queues.pop(request_id, None)
             self.router.finish(request_id)
+            if not self._queues:
+                self._idle.set()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` ends with a final output whose reason is "abort",
@@ -337,10 +365,9 @@ class AsyncLLM:
         task = self._output_tasks[index]
         if not task.done() and task is not asyncio.current_task():
             task.cancel()
-        if all(e is not None for e in self.engine_errors) and self.dead_error is None:
-            self.dead_error = error
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+        if all(e is not None for e in self.engine_errors):
+            self.fail_requests(error)
+            self.metrics.clear_engine_gauges()  # nothing runs or waits, no KV is held any more
 
     async def shutdown(self) -> None:
         """Stop the engine core processes and fail whatever is still in flight."""
@@ -353,10 +380,7 @@ class AsyncLLM:
             return
         self._shut_down = True
         await asyncio.gather(*(client.shutdown() for client in self.clients))
-        if self.dead_error is None:
-            self.dead_error = EngineDeadError("engine was shut down")
-            for queue in self._queues.values():
-                queue.put_nowait(self.dead_error)
+        self.fail_requests(EngineDeadError("engine was shut down"))
 
 
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

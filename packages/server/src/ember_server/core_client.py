@@ -35,7 +35,17 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStartupError(RuntimeError):
-    """The engine core process could not build the engine or never said it was ready."""
+    """The engine core process could not build the engine or never said it was ready.
+
+    ``bad_settings`` is true when the engine refused the settings (a ValueError there: the
+    KV cache memory holds no block, max_model_len does not fit, ...); ``engine_traceback`` is
+    the engine core's traceback, when it sent one.
+    """
+
+    def __init__(self, message: str, bad_settings: bool = False, engine_traceback: str = ""):
+        super().__init__(message)
+        self.bad_settings = bad_settings
+        self.engine_traceback = engine_traceback
 
 
 class AsyncMPClient:
@@ -121,7 +131,13 @@ class AsyncMPClient:
             raise EngineStartupError(f"engine core not ready after {startup_timeout:.0f} s")
         identity, kind, payload = handshake.result()
         if kind == msg.FAILED:
-            raise EngineStartupError(f"engine core failed to start:\n{payload.decode()}")
+            failed = msgspec.msgpack.decode(payload, type=msg.EngineCoreFailed)
+            logger.debug("engine core start-up traceback:\n%s", failed.traceback)
+            raise EngineStartupError(
+                f"engine core failed to start: {failed.message}",
+                bad_settings=failed.bad_settings,
+                engine_traceback=failed.traceback,
+            )
         if kind != msg.READY:
             raise EngineStartupError(f"engine core sent {kind!r} instead of READY")
         self._engine_identity = identity
@@ -188,18 +204,15 @@ class AsyncMPClient:
         self._close()
 
     def _stop_process(self, grace: float) -> None:
+        """Wait ``grace`` seconds for the process to exit, then kill it (it ignores SIGTERM)."""
         process = self.process
         if process is None:
             return
         try:
             process.wait(grace)
         except subprocess.TimeoutExpired:
-            process.terminate()
-            try:
-                process.wait(5.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.kill()
+            process.wait()
 
     def _close(self) -> None:
         self._context.destroy(linger=0)

@@ -120,8 +120,13 @@ def run_engine_core(
         try:
             model_config = ModelConfig.from_engine_args(args)
             engine_core = make_engine_core(args, model_config, front_end_alongside=True)
-        except Exception:
-            input_socket.send_multipart([msg.FAILED, traceback.format_exc().encode()])
+        except Exception as exc:
+            failed = msg.EngineCoreFailed(
+                message=str(exc) or type(exc).__name__,
+                bad_settings=isinstance(exc, ValueError),
+                traceback=traceback.format_exc(),
+            )
+            input_socket.send_multipart([msg.FAILED, encoder.encode(failed)])
             return 1
         executor = engine_core.executor
         ready = msg.EngineCoreReady(
@@ -159,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs as JSON.")
     options = parser.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group; the front end decides when we stop.
+    # Ctrl-C in a terminal, and SIGTERM from systemd, reach the whole process group: the front end
+    # decides when we stop (after draining its requests), and we stop when it is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     args = msgspec.json.decode(options.engine_args.encode(), type=EngineArgs)
     return run_engine_core(args, options.input_address, options.output_address, options.parent_pid)
 

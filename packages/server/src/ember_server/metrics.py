@@ -186,6 +186,15 @@ class EngineMetrics:
                 )
             self.spec_decode_log.record(spec)
 
+    def clear_engine_gauges(self) -> None:
+        """Zero the gauges the engine core reports, once it is gone and holds nothing."""
+        for gauge in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage_perc,
+        ):
+            gauge.set(0)
+
     def record_iteration(self, stats: IterationStats) -> None:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)

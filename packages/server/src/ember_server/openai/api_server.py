@@ -12,8 +12,12 @@ With an API key every route except ``/health``, ``/version`` and ``/metrics`` ne
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
+import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import uvicorn
@@ -21,8 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import ember_server
+from ember_server.core_client import EngineDeadError
 from ember_server.engine_args import EngineArgs
 from ember_server.metrics import CONTENT_TYPE
+from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import error_response, install_error_handlers
 from ember_server.openai.protocol import (
     ChatCompletionRequest,
@@ -49,12 +55,34 @@ from ember_server.openai.serving_pooling import OpenAIServingPooling
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+DEFAULT_SHUTDOWN_TIMEOUT = 25.0  # below Kubernetes' default 30 s between SIGTERM and SIGKILL
+# Bytes of body per token of context allowed by default: a prompt of max_model_len tokens as
+# JSON (token ids, or text with every character \u-escaped) needs well under this.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_LIMIT = 1024**2
 
 
-def build_app(engine, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+def default_body_limit(max_model_len: int) -> int:
+    """The request body limit when none is given: ample for a whole context, never below 1 MiB."""
+    return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+def build_app(
+    engine,
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
+    max_body_size: int | None = None,
+) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``);
-    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto)."""
+    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto).
+
+    Bodies over ``max_body_size`` bytes (default: ``default_body_limit`` of the context length)
+    get a 413 as soon as the Content-Length or the bytes received so far exceed it.
+    """
+    if max_body_size is None:
+        max_body_size = default_body_limit(engine.model_config.max_model_len)
     app = FastAPI(title="Ember OpenAI-compatible server", version=ember_server.__version__)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_size)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine)
     chat = OpenAIServingChat(engine, tool_call_parser)
@@ -111,9 +139,9 @@ def build_app(engine, api_key: str | None = None, tool_call_parser: str | None =
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
         common.check_request(request)
         if isinstance(request, TokenizeChatRequest):
-            tokens = common.encode_chat(request)
+            tokens = await common.encode_chat(request)
         else:
-            tokens = common.encode(request.prompt, request.add_special_tokens)
+            tokens = await common.encode(request.prompt, request.add_special_tokens)
         body = TokenizeResponse(
             count=len(tokens), max_model_len=common.max_model_len, tokens=tokens
         )
@@ -146,6 +174,26 @@ def build_app(engine, api_key: str | None = None, tool_call_parser: str | None =
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``: bound before the model loads, so that a port in use
+    (or a bad host) fails at once, not after the minutes a model can take."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return socket.create_server((host, port), family=family[0][0], backlog=2048)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(f"cannot listen on {host}:{port}: {reason} (pass another --port)") from None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: ``run_server`` decides what a signal does (uvicorn's
+    own re-raise the signal after serving, which kills the process before the engine stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 async def run_server(
     engine_args: EngineArgs,
     host: str = "127.0.0.1",
@@ -153,17 +201,76 @@ async def run_server(
     api_key: str | None = None,
     log_level: str = "info",
     tool_call_parser: str | None = None,
-) -> None:
-    """Start the engine core process, then serve until interrupted; always shut the engine down."""
+    shutdown_timeout: float | None = None,
+    max_body_size: int | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT or the engine's death; the exit status (0 stopped, 1 engine died).
+
+    On the first signal the server stops accepting, lets requests in flight finish for up to
+    ``shutdown_timeout`` seconds (default ``DEFAULT_SHUTDOWN_TIMEOUT``) and fails the rest with a
+    503 (a second signal fails them at once). In every case the engine core process is stopped
+    and its socket folder removed.
+    """
     from ember_server.async_llm import AsyncLLM
 
-    engine = await AsyncLLM.start(engine_args)
+    if shutdown_timeout is None:
+        shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
+
+    listener = bind_socket(host, port)
     try:
-        app = build_app(engine, api_key, tool_call_parser)
+        engine = await AsyncLLM.start(engine_args)
+    except BaseException:
+        listener.close()
+        raise
+    loop = asyncio.get_running_loop()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    try:
+        app = build_app(engine, api_key, tool_call_parser, max_body_size)
+        # uvicorn's own wait is only the backstop: draining below ends every request in time.
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+            app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5
         )
+        server = _Server(config)
+        serving = asyncio.ensure_future(server.serve(sockets=[listener]))
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)
-        await uvicorn.Server(config).serve()
+        stop = asyncio.ensure_future(signals.get())
+        died = asyncio.ensure_future(engine.wait_until_dead())
+        await asyncio.wait({serving, stop, died}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        status = 0
+        if stop.done():
+            await _drain(engine, stop.result(), signals, shutdown_timeout)
+        elif died.done():
+            logger.error("the engine core died: stopping the server (exit status 1) for a restart")
+            status = 1
+        stop.cancel()
+        died.cancel()
+        await serving
+        return status
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         await engine.shutdown()
+
+
+async def _drain(engine, sig: signal.Signals, signals: asyncio.Queue, timeout: float) -> None:
+    """Give the requests in flight ``timeout`` seconds (or until the next signal), then fail them."""
+    logger.info(
+        "%s: shutting down; %d requests in flight get up to %.0f s to finish (signal again to "
+        "stop them now)",
+        sig.name,
+        engine.num_requests_in_flight,
+        timeout,
+    )
+    again = asyncio.ensure_future(signals.get())
+    idle = asyncio.ensure_future(engine.wait_until_idle())
+    await asyncio.wait({again, idle}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    idle.cancel()
+    if engine.num_requests_in_flight:
+        logger.warning("failing %d unfinished requests", engine.num_requests_in_flight)
+    engine.fail_requests(
+        EngineDeadError(f"the server is shutting down ({sig.name}); the request did not finish")
+    )

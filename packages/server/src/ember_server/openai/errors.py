@@ -2,7 +2,8 @@
 
 Bad input is always a 4xx with ``{"error": {"message", "type", "param", "code"}}``: malformed
 JSON and wrongly typed or missing fields (400), a bad API key (401), an unknown model or route
-(404). A dead engine is a 503. Only a bug in Ember itself is a 500.
+(404), a body over the size limit (413). A dead or stopping engine is a 503. Only a bug in Ember
+itself is a 500.
 """
 
 from __future__ import annotations

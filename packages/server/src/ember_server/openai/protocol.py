@@ -9,11 +9,21 @@ Range checks of sampling values live in ``ember_scheduler.SamplingParams`` (one 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    model_validator,
+)
 
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from ember_scheduler.structured_outputs import StructuredOutputsParams
@@ -21,6 +31,32 @@ from ember_scheduler.structured_outputs import StructuredOutputsParams
 MAX_N = 128  # OpenAI's limit on choices per request
 # Integers travel to the engine core as msgpack int64: larger ones are a 400, not a crash.
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# JSON's \ud800-style escapes can carry half of a UTF-16 pair alone: not text any tokenizer takes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(value: Any) -> Any:
+    """``value`` (a string, or strings nested in lists and dicts) if it holds no lone surrogate."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        if match is not None:
+            raise ValueError(
+                f"holds a lone UTF-16 surrogate (U+{ord(match.group()):04X}) at character "
+                f"{match.start()}: text must be valid Unicode"
+            )
+    elif isinstance(value, list):
+        for item in value:
+            _valid_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _valid_unicode(key)
+            _valid_unicode(item)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
 
 
 def random_id(prefix: str) -> str:
@@ -53,9 +89,9 @@ class StreamOptions(OpenAIRequest):
 class JsonSchemaFormat(OpenAIRequest):
     """``response_format.json_schema``: a named JSON schema."""
 
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    name: Text
+    description: Text | None = None
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -77,11 +113,11 @@ class ResponseFormat(OpenAIRequest):
 class StructuredOutputsField(OpenAIRequest):
     """vLLM's extra ``structured_outputs``: one of json, json_object, regex, choice, grammar."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JSONObject | Text | None = Field(default=None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     disable_any_whitespace: bool = False
 
 
@@ -100,7 +136,7 @@ def _checked_spec(field: str, **spec) -> StructuredOutputsParams:
 class _SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat completions (OpenAI's and vLLM's)."""
 
-    model: str | None = None
+    model: Text | None = None
     n: Annotated[int, Field(le=MAX_N)] = 1
     best_of: Int64 | None = None
     frequency_penalty: float = 0.0
@@ -111,7 +147,7 @@ class _SamplingFields(OpenAIRequest):
     top_k: Int64 | None = None
     min_p: float = 0.0
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0
@@ -120,7 +156,7 @@ class _SamplingFields(OpenAIRequest):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     priority: Int64 = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -184,11 +220,11 @@ class _SamplingFields(OpenAIRequest):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: Int64 | None = None  # None: OpenAI's default of 16, capped by the context left
     logprobs: Int64 | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -217,27 +253,46 @@ class TextContentPart(OpenAIRequest):
     """A text part of a message's content list."""
 
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+class AssistantFunctionCall(OpenAIRequest):
+    name: Text
+    arguments: Text
+
+
+class AssistantToolCall(OpenAIRequest):
+    """A tool call the assistant made, in a conversation's history."""
+
+    id: Text
+    type: Literal["function"]
+    function: AssistantFunctionCall
 
 
 class ChatMessage(OpenAIRequest):
-    """One message of a chat; content parts other than text are not supported. An assistant
-    message may carry the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it
-    answers (both reach the chat template as given)."""
+    """One message of a chat, with OpenAI's roles and the fields each needs.
 
-    role: str
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    ``system``, ``developer``, ``user`` and ``tool`` messages need content; an ``assistant``
+    message needs content or ``tool_calls``; a ``tool`` message needs ``tool_call_id``. Content
+    parts other than text are not supported.
+    """
 
-    def to_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls is not None:
-            message["tool_calls"] = self.tool_calls
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+    role: Literal[CHAT_ROLES]
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            needs = "content or tool_calls" if self.role == "assistant" else "content"
+            raise ValueError(f"a {self.role} message needs {needs} (a string or text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role}")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id is required in tool messages and only there")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -246,11 +301,20 @@ class ChatMessage(OpenAIRequest):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: role, content text, and any tool fields."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 class FunctionDefinition(OpenAIRequest):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    name: Text
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -262,7 +326,7 @@ class ChatTool(OpenAIRequest):
 
 
 class NamedFunction(OpenAIRequest):
-    name: str
+    name: Text
 
 
 class NamedToolChoice(OpenAIRequest):
@@ -284,7 +348,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="after")
     def _check_tools(self):
@@ -374,31 +438,40 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
 class TokenizeCompletionRequest(OpenAIRequest):
     """Body of ``POST /tokenize`` for a plain prompt."""
 
-    model: str | None = None
-    prompt: str
+    model: Text | None = None
+    prompt: Text
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(OpenAIRequest):
     """Body of ``POST /tokenize`` for chat messages, rendered through the chat template."""
 
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
-TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+def _tokenize_kind(body: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "Prompt"
+
+
+# A body with messages is a chat request (its errors are about messages, not a missing prompt).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("Prompt")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(OpenAIRequest):
     """Body of ``POST /detokenize``."""
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

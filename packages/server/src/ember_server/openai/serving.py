@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -22,6 +23,7 @@ class OpenAIServing:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.text_encoder = engine.text_encoder
         self.model_name: str = engine.served_model_name
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
@@ -37,28 +39,35 @@ class OpenAIServing:
 
     def check_engine(self) -> None:
         if self.engine.errored:
-            raise OpenAIError("The engine is not running (it failed); see the server log.", 503)
+            raise OpenAIError(f"The engine is not running: {self.engine.dead_error}", 503)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_chat(self, request: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
-        """The request's messages as prompt token ids, through the tokenizer's chat template."""
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A prompt's token ids; tokenized in a worker thread (the tokenizer releases the GIL
+        there), after a length check that refuses a huge prompt without tokenizing it."""
         try:
-            prompt = self.tokenizer.apply_chat_template(
+            self.text_encoder.check_length(text, "prompt")
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "prompt") from exc
+        return await asyncio.to_thread(self.text_encoder.encode, text, add_special_tokens)
+
+    async def encode_chat(self, request: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The request's messages as prompt token ids, through the tokenizer's chat template,
+        in a worker thread; message text stays plain text (see ``TextEncoder.encode_chat``)."""
+        try:
+            return await asyncio.to_thread(
+                self.text_encoder.encode_chat,
                 request.conversation(),
                 tools=request.template_tools()
                 if isinstance(request, ChatCompletionRequest)
                 else None,
-                tokenize=False,
+                client_kwargs=request.chat_template_kwargs,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                **(request.chat_template_kwargs or {}),
             )
+        except ValueError as exc:  # too long, or forged special tokens the template rewrites
+            raise OpenAIError(str(exc), 400, "messages") from exc
         except Exception as exc:  # jinja errors, a template that rejects the conversation
             raise OpenAIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
-        # The template writes the special tokens (bos) itself.
-        return self.encode(prompt, add_special_tokens=False)
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -118,6 +127,8 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise from_value_error(exc) from exc
+        except EngineDeadError as exc:  # it died (or the server began to stop) since the check
+            raise OpenAIError(f"The engine is not running: {exc}", 503) from exc
         return self._abort_unless_finished(outputs, request_id)
 
     async def _abort_unless_finished(
@@ -147,7 +158,7 @@ class OpenAIServing:
             return exc
         if isinstance(exc, ValueError):  # the engine core refused the request (bad input)
             return from_value_error(exc)
-        if self.engine.errored or isinstance(exc, EngineDeadError):
-            return OpenAIError(f"The engine failed while serving this request: {exc}", 503)
+        if isinstance(exc, EngineDeadError) or self.engine.errored:
+            return OpenAIError(f"The request could not finish: {exc}", 503)
         logger.exception("generation failed", exc_info=exc)
         return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)

@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "tool_choice",
             )
-        token_ids = self.encode_chat(request)
+        token_ids = await self.encode_chat(request)
         if not token_ids:
             raise OpenAIError("messages render to an empty prompt", 400, "messages")
         max_tokens = self.max_tokens_for(request.requested_max_tokens, len(token_ids), None)

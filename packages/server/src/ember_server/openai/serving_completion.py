@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_request(request)
-        prompts = [self._prepare(request, prompt) for prompt in request.prompts()]
+        prompts = [await self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
         streams = [
             self.generate(
@@ -61,9 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise self.engine_failure(exc) from exc
         return JSONResponse(self._response(request, request_id, prompts, finals).model_dump())
 
-    def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+    async def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
-            token_ids = self.encode(prompt, request.add_special_tokens)
+            token_ids = await self.encode(prompt, request.add_special_tokens)
             text = prompt
         else:
             self.check_token_ids(prompt, "prompt")

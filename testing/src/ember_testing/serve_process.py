@@ -1,0 +1,109 @@
+"""``ember serve`` as a real child process, for tests of what a user or an orchestrator sees:
+start-up, signals, exit status, and what the server leaves behind (processes, socket folders)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+START_TIMEOUT = 300.0  # importing torch twice on a loaded 2-core machine can take a minute
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (from /proc)."""
+    found = []
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            text = status.read_text()
+        except OSError:
+            continue
+        if f"\nPPid:\t{pid}\n" in text:
+            found.append(int(status.parent.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited; only its reaping is pending
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> bool:
+    """Whether every process in ``pids`` has exited within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(is_running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class ServeProcess:
+    """``with ServeProcess(args, tmp_path) as server:`` runs ``ember serve *args`` on a free port.
+
+    The child's temp dir is ``tmp_path / "tmp"`` (``socket_folders()`` lists the engine's IPC
+    socket folders there) and its output goes to ``tmp_path / "server.log"``. On exit a process
+    still running is killed, engine included.
+    """
+
+    def __init__(self, args: list[str], tmp_path: pathlib.Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir(exist_ok=True)
+        self.log = tmp_path / "server.log"
+        self.command = [sys.executable, "-m", "ember_server", "serve", "--port", str(self.port)]
+        self.command += args
+        self.process: subprocess.Popen | None = None
+        self.engine_pids: list[int] = []
+
+    def __enter__(self) -> ServeProcess:
+        env = {**os.environ, "TMPDIR": str(self.tmpdir)}
+        with self.log.open("w") as sink:
+            self.process = subprocess.Popen(
+                self.command, stdout=sink, stderr=subprocess.STDOUT, env=env
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ember serve exited early:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ember serve did not come up:\n{self.log.read_text()}")
+            time.sleep(0.2)
+        self.engine_pids = child_pids(self.process.pid)
+        return self
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.process.wait(timeout)
+
+    def socket_folders(self) -> list[pathlib.Path]:
+        return sorted(self.tmpdir.glob("ember-engine-*"))
+
+    def __exit__(self, *exc_info) -> None:
+        for pid in [self.process.pid, *self.engine_pids]:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
