@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -45,6 +46,9 @@ class AsyncLLM:
         metrics: EngineMetrics,
     ) -> None:
         self.engine_args = args
+        # The engine cores may have lowered max_model_len to what their KV caches hold.
+        max_model_len = min(client.ready.max_model_len for client in clients)
+        model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.clients = clients

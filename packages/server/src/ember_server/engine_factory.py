@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_server.engine_args import EngineArgs
 from ember_server.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 # KV cache budget when none is given and the model runs on the CPU (the worker sizes GPU caches
 # from free memory itself).
@@ -31,10 +35,12 @@ def default_num_threads(*, front_end_alongside: bool) -> int:
 
 def make_engine_core(
     args: EngineArgs, model_config: ModelConfig, *, front_end_alongside: bool
-) -> EngineCore:
+) -> tuple[EngineCore, ModelConfig]:
     """Load the model into an in-process executor and wrap it with a scheduler.
 
     ``front_end_alongside``: a front end process shares the cores (see ``default_num_threads``).
+    Returns the engine core and the model config it runs with: ``max_model_len`` lowered to what
+    the KV cache holds when it was not given (see ``fit_max_model_len``).
     """
     import torch
 
@@ -70,4 +76,40 @@ def make_engine_core(
         # Data-parallel front ends route by what each engine's prefix cache holds.
         enable_kv_events=args.data_parallel_size > 1 and args.enable_prefix_caching,
     )
-    return EngineCore(executor, scheduler_config, executor.grammar_compiler, args.kv_transfer)
+    engine_core = EngineCore(
+        executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
+    )
+    return engine_core, fit_max_model_len(args, model_config, engine_core)
+
+
+def fit_max_model_len(args: EngineArgs, model_config: ModelConfig, engine_core) -> ModelConfig:
+    """``model_config`` if one sequence of ``max_model_len`` tokens fits in the KV cache.
+
+    Else: a ``ValueError`` naming both numbers and the fix when ``max_model_len`` was given; the
+    model's own context lowered to what fits, with a warning, when it was not. (The scheduler
+    already holds sequences to what fits; this makes the limit the one clients are told.)
+    """
+    capacity = engine_core.max_num_tokens  # the usable blocks' tokens, if below max_model_len
+    wanted = model_config.max_model_len
+    if wanted <= capacity:
+        return model_config
+    executor = engine_core.executor
+    block_size = executor.block_size
+    if args.max_model_len is not None:
+        reserved = executor.num_kv_blocks - engine_core.scheduler.num_kv_blocks
+        needed = (
+            -(-wanted // block_size) + reserved
+        ) * executor.model_runner.kv_cache_spec.bytes_per_block
+        raise ValueError(
+            f"max_model_len {wanted} is more than the KV cache holds for one sequence: "
+            f"{capacity} tokens in blocks of {block_size}. Raise kv_cache_memory "
+            f"(--kv-cache-memory) to at least {needed} bytes, or lower max_model_len "
+            f"(--max-model-len) to {capacity} or less."
+        )
+    logger.warning(
+        "lowering max_model_len from the model's %d to %d tokens, all that the KV cache holds "
+        "for one sequence; raise --kv-cache-memory for the full context",
+        wanted,
+        capacity,
+    )
+    return dataclasses.replace(model_config, max_model_len=capacity)

@@ -22,6 +22,7 @@ from ember_server.pooling_outputs import (
     PoolingRequestOutput,
 )
 from ember_server.scoring import score_pairs
+from ember_server.text_encoding import TextEncoder
 from ember_server.tokenizer import load_tokenizer, render_chat
 
 
@@ -43,7 +44,7 @@ class LLM:
             )
         self.model_config = ModelConfig.from_engine_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
-        self.engine_core = make_engine_core(
+        self.engine_core, self.model_config = make_engine_core(
             self.engine_args, self.model_config, front_end_alongside=False
         )
         self.input_processor = InputProcessor(
@@ -52,6 +53,7 @@ class LLM:
             max_num_kv_tokens=self.engine_core.max_num_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.text_encoder = TextEncoder(self.tokenizer, self.model_config.max_model_len)
         self.metrics = EngineMetrics(self.model_config.served_model_name)
         self._request_counter = itertools.count()
 
@@ -91,7 +93,12 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            # Message text stays plain text: no forged special tokens (see text_encoding).
+            ids = self.text_encoder.encode_chat(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
             prompts.append((text, ids))
         return self._generate(prompts, sampling_params, use_tqdm, None)
 

@@ -1,0 +1,139 @@
+"""Fuzzed chat and completions bodies: roles, content shapes, unicode (lone surrogates included),
+special-token text and arbitrary nesting. Every body gets a 200 or a 4xx with an OpenAI error
+body, never a 5xx, and never a 200 stream carrying an error; good streams running beside the
+fuzz all complete."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_thread import ServerThread
+
+from ember_server.engine_args import EngineArgs
+from ember_server.openai.protocol import CHAT_ROLES
+
+TIMEOUT = 60
+
+# Every code point, lone surrogates included, plus the template's own markers.
+_chars = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
+_markers = st.sampled_from(["<|im_start|>system\n", "<|im_end|>", "<|bos|>", "\ud800", "\udfff"])
+text = st.lists(st.one_of(st.text(_chars, max_size=8), _markers), max_size=4).map("".join)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+    max_leaves=8,
+)
+part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_audio"])},
+    optional={"text": st.one_of(text, json_values), "image_url": json_values},
+)
+content = st.one_of(text, st.none(), st.lists(part, max_size=3), json_values)
+message = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from([*CHAT_ROLES, "function", "bot", ""]), text)},
+    optional={
+        "content": content,
+        "name": st.one_of(text, json_values),
+        "tool_calls": json_values,
+        "tool_call_id": st.one_of(text, json_values),
+    },
+)
+# max_tokens is always there and tiny when valid: a valid fuzz case must stay cheap.
+sampling = {
+    "max_tokens": st.one_of(st.integers(1, 2), json_values),
+}
+optional_sampling = {
+    "stream": st.one_of(st.booleans(), json_values),
+    "stop": st.one_of(text, st.lists(text, max_size=3), json_values),
+    "n": st.one_of(st.integers(-1, 3), json_values),
+    "temperature": st.one_of(st.floats(-1, 3), json_values),
+    "logprobs": json_values,
+    "stream_options": json_values,
+    "extra": json_values,
+}
+chat_body = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(message, max_size=4), json_values), **sampling},
+    optional={**optional_sampling, "chat_template_kwargs": json_values},
+)
+prompt = st.one_of(
+    text,
+    st.lists(text, max_size=3),
+    st.lists(st.integers(-3, 3000), max_size=5),
+    st.lists(st.lists(st.integers(-3, 3000), max_size=3), max_size=3),
+    json_values,
+)
+completion_body = st.fixed_dictionaries(
+    {"prompt": prompt, **sampling}, optional={**optional_sampling, "echo": json_values}
+)
+request = st.one_of(
+    st.tuples(st.just("v1/chat/completions"), chat_body),
+    st.tuples(st.just("v1/completions"), completion_body),
+    st.tuples(st.sampled_from(["v1/chat/completions", "v1/completions"]), json_values),
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    args = EngineArgs(model=str(tiny_model("llama")), max_model_len=1024, kv_cache_memory=2**22)
+    with ServerThread(args) as running:
+        yield running
+
+
+class _GoodStreams(threading.Thread):
+    """Streams greedy completions one after another until stopped; records how each ended."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = f"{base_url}/v1/completions"
+        self.stop = threading.Event()
+        self.endings: list[tuple[str | None, str]] = []  # (finish_reason, last event)
+
+    def run(self) -> None:
+        body = dict(prompt="def main(argv):", max_tokens=64, ignore_eos=True, stream=True)
+        with httpx.Client(timeout=TIMEOUT) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", self.url, json=body) as response:
+                    events = [ln[5:].strip() for ln in response.iter_lines() if ln[:5] == "data:"]
+                chunks = [json.loads(e) for e in events[:-1]]
+                reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+                self.endings.append((reasons[-1] if reasons else None, events[-1]))
+
+
+def _check(response: httpx.Response) -> None:
+    status = response.status_code
+    assert status < 500, response.text
+    if status >= 400:
+        error = response.json()["error"]
+        assert error["code"] == status and error["message"] and error["type"]
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert "error" not in response.text, response.text
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=request)
+def _fuzz(client: httpx.Client, case) -> None:
+    route, body = case
+    # ensure_ascii writes lone surrogates as \ud800 escapes, as a hostile client would.
+    raw = json.dumps(body, ensure_ascii=True)
+    _check(client.post(route, content=raw, headers={"content-type": "application/json"}))
+
+
+def test_fuzzed_bodies_never_get_a_5xx_while_good_streams_complete(server):
+    streams = _GoodStreams(server.base_url)
+    streams.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as client:
+            _fuzz(client)
+    finally:
+        streams.stop.set()
+        streams.join(TIMEOUT)
+    assert streams.endings, "no good stream ran beside the fuzz"
+    assert all(ending == ("length", "[DONE]") for ending in streams.endings), streams.endings
