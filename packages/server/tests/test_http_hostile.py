@@ -6,7 +6,10 @@ and the server keeps answering everyone else meanwhile.
 
 from __future__ import annotations
 
+import gc
 import json
+import pathlib
+import re
 import socket
 
 import httpx
@@ -112,6 +115,24 @@ def test_prompt_longer_than_any_context_is_refused_without_tokenizing(tiny_model
             error = _error(httpx.post(f"{url}/{route}", json=body, timeout=TIMEOUT), 400)
             assert "characters long" in error["message"] and "256 tokens" in error["message"]
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+
+        # Memory comes back: five more rejected 10 MB prompts leave this process (server and
+        # client both) no bigger than one did. Tokenizing one took 1.2 GB that stayed.
+        huge = json.dumps({"prompt": "a" * TEN_MB}).encode()
+        headers = {"content-type": "application/json"}
+        baseline = _rss_bytes()
+        for _ in range(5):
+            response = httpx.post(
+                f"{url}/v1/completions", content=huge, headers=headers, timeout=TIMEOUT
+            )
+            _error(response, 400)
+        assert _rss_bytes() - baseline < 2 * TEN_MB
+
+
+def _rss_bytes() -> int:
+    gc.collect()
+    status = pathlib.Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
 
 
 def _post_raw(server, route: str, raw_json: str) -> httpx.Response:
