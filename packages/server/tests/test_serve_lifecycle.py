@@ -8,11 +8,12 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
 
-from ember_testing.serve_process import ServeProcess, wait_gone
+from ember_testing.serve_process import START_TIMEOUT, ServeProcess, child_pids, wait_gone
 
 TIMEOUT = 60  # bounds every wait: a hang fails the test instead of blocking it
 
@@ -110,3 +111,21 @@ def test_engine_death_fails_requests_and_exits_nonzero_for_a_restart(model, tmp_
         assert stream.error()["code"] == 503
         assert server.wait(TIMEOUT) == 1, server.log.read_text()
         assert server.socket_folders() == []
+
+
+def test_sigterm_while_the_model_loads_stops_the_start_up_clean(model, tmp_path):
+    server = ServeProcess(_flags(model), tmp_path)
+    server.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (server.socket_folders() and child_pids(server.process.pid)):
+            assert server.process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        engines = child_pids(server.process.pid)
+        server.signal(signal.SIGTERM)
+        # The exit waits for the front end's tokenizer loading thread, however slow the machine.
+        assert server.wait(START_TIMEOUT) == 0, server.log.read_text()
+        assert wait_gone(engines)
+        assert server.socket_folders() == []
+    finally:
+        server.__exit__(None, None, None)

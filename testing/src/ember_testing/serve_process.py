@@ -72,12 +72,16 @@ class ServeProcess:
         self.process: subprocess.Popen | None = None
         self.engine_pids: list[int] = []
 
-    def __enter__(self) -> ServeProcess:
+    def start(self) -> None:
+        """Start the process without waiting for it to serve."""
         env = {**os.environ, "TMPDIR": str(self.tmpdir)}
         with self.log.open("w") as sink:
             self.process = subprocess.Popen(
                 self.command, stdout=sink, stderr=subprocess.STDOUT, env=env
             )
+
+    def __enter__(self) -> ServeProcess:
+        self.start()
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.process.poll() is not None:

@@ -217,16 +217,24 @@ async def run_server(
         shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
 
     listener = bind_socket(host, port)
-    try:
-        engine = await AsyncLLM.start(engine_args)
-    except BaseException:
-        listener.close()
-        raise
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    engine = None
     try:
+        # A signal while the model loads stops the start-up (engine process and socket folder
+        # included) instead of killing this process midway.
+        starting = asyncio.ensure_future(AsyncLLM.start(engine_args))
+        stop = asyncio.ensure_future(signals.get())
+        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            logger.info("%s during start-up: stopping", stop.result().name)
+            starting.cancel()
+            await asyncio.wait({starting})
+            return 0
+        stop.cancel()
+        engine = starting.result()
         app = build_app(engine, api_key, tool_call_parser, max_body_size)
         # uvicorn's own wait is only the backstop: draining below ends every request in time.
         config = uvicorn.Config(
@@ -252,7 +260,9 @@ async def run_server(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await engine.shutdown()
+        listener.close()
+        if engine is not None:
+            await engine.shutdown()
 
 
 async def _drain(engine, sig: signal.Signals, signals: asyncio.Queue, timeout: float) -> None:
