@@ -453,7 +453,7 @@ class TokenizeChatRequest(OpenAIRequest):
     chat_template_kwargs: JSONObject | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+        return [m.to_template() for m in self.messages]
 
 
 def _tokenize_kind(body: Any) -> str:
