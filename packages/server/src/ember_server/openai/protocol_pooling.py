@@ -9,15 +9,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ember_scheduler.sampling_params import INT32_MAX
-from ember_server.openai.protocol import Int64, OpenAIRequest, OpenAIResponse, UsageInfo
+from ember_server.openai.protocol import Int64, OpenAIRequest, OpenAIResponse, Text, UsageInfo
 
 # A string, a list of strings, one prompt's token ids, or a list of those.
-PoolingInput = str | list[str] | list[int] | list[list[int]]
+PoolingInput = Text | list[Text] | list[int] | list[list[int]]
 
 
 class _PoolingFields(OpenAIRequest):
-    model: str | None = None
-    user: str | None = None
+    model: Text | None = None
+    user: Text | None = None
     priority: Int64 = 0
     add_special_tokens: bool = True
 
@@ -51,13 +51,13 @@ class ClassificationRequest(_PoolingFields):
 
 
 class ScoreRequest(_PoolingFields):
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
 
 
 class RerankRequest(_PoolingFields):
-    query: str
-    documents: list[str]
+    query: Text
+    documents: list[Text]
     top_n: int = Field(default=0, ge=0, le=INT32_MAX)  # 0: every document
     return_documents: bool = True
 

@@ -45,7 +45,9 @@ class OpenAIServingPooling(OpenAIServing):
         params = self._params(
             task="embed", dimensions=request.dimensions, normalize=request.normalize
         )
-        prompts = [self._prompt(p, request.add_special_tokens) for p in inputs_of(request.input)]
+        prompts = [
+            await self._prompt(p, request.add_special_tokens) for p in inputs_of(request.input)
+        ]
         request_id = random_id("embd")
         outputs = await self._pool(request_id, prompts, params, request.priority, raw_request)
         data = [
@@ -64,7 +66,9 @@ class OpenAIServingPooling(OpenAIServing):
     ) -> Response:
         self.check_request(request)
         params = self._params(task="classify")
-        prompts = [self._prompt(p, request.add_special_tokens) for p in inputs_of(request.input)]
+        prompts = [
+            await self._prompt(p, request.add_special_tokens) for p in inputs_of(request.input)
+        ]
         request_id = random_id("classify")
         outputs = await self._pool(request_id, prompts, params, request.priority, raw_request)
         labels = self.engine.model_config.labels
@@ -124,14 +128,14 @@ class OpenAIServingPooling(OpenAIServing):
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if params.task == "embed":
-            prompts = [self._prompt(p, request.add_special_tokens) for p in prompts]
+            prompts = [await self._prompt(p, request.add_special_tokens) for p in prompts]
         outputs = await self._pool(request_id, prompts, params, request.priority, raw_request)
         scored = scores_from_outputs(mode, outputs, [str(i) for i in range(len(pairs))])
         return [s.outputs.score for s in scored], outputs
 
-    def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return self.encode(prompt, add_special_tokens)
+            return await self.encode(prompt, add_special_tokens)
         self.check_token_ids(prompt, "input")
         return list(prompt)
 
