@@ -119,7 +119,7 @@ def dp_server(tiny_model):
     # A small KV pool per engine, so that a few long prompts evict a cached prefix.
     args = EngineArgs(
         model=str(tiny_model("llama")),
-        max_model_len=512,
+        max_model_len=496,  # what 2**18 bytes hold for one sequence (31 blocks and a null one)
         max_num_seqs=8,
         block_size=16,
         kv_cache_memory=2**18,
