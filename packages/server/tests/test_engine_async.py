@@ -224,6 +224,19 @@ def test_encode_matches_offline_and_cancelling_or_aborting_it_frees_kv(loop, eng
     loop.run_until_complete(run())
 
 
+def test_a_finished_request_leaves_no_queue_even_if_its_consumer_stops_reading(loop, engine):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        stream = engine.generate("x = [1", params, "unread")
+        await anext(stream)  # registered; then neither read on nor closed for a while
+        await _wait_for(lambda: "unread" not in engine._queues)
+        await stream.aclose()
+        assert "unread" not in engine._queues
+
+    loop.run_until_complete(run())
+
+
 def test_shutdown_stops_the_process(loop, engine):
     pid = engine.engine_core_pid
     assert engine.is_healthy()

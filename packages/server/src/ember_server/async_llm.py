@@ -240,7 +240,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self._abort(request_id)
-            self._queues.pop(request_id, None)
+            self._forget_queue(request_id, queue)
             self.router.finish(request_id)
 
     async def _send(self, request_id: str, engine_requests: list[EngineCoreRequest]) -> None:
@@ -282,10 +282,15 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self._abort(request_id)
-            self._queues.pop(request_id, None)
+            self._forget_queue(request_id, queue)
             self.router.finish(request_id)
             if not self._queues:
                 self._idle.set()
+
+    def _forget_queue(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Drop ``queue`` from the map unless the id already belongs to a newer request."""
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` ends with a final output whose reason is "abort",
@@ -328,12 +333,17 @@ class AsyncLLM:
                 self.router.apply_events(index, outputs.kv_events)
             stats = IterationStats()
             processed = processor.process_outputs(outputs.outputs, stats)
+            # A request's last item takes its queue out of the map: the consumer holds the queue
+            # still, and one that stops reading without closing (a dropped stream the server has
+            # not closed yet) leaves nothing behind.
             for output in processed.request_outputs:
-                queue = self._queues.get(output.request_id)
+                queue = (self._queues.pop if output.finished else self._queues.get)(
+                    output.request_id, None
+                )
                 if queue is not None:
                     queue.put_nowait(output)
             for request_id, reason in processed.request_errors.items():
-                queue = self._queues.get(request_id)
+                queue = self._queues.pop(request_id, None)
                 if queue is not None:
                     queue.put_nowait(
                         ValueError(f"the engine refused request {request_id!r}: {reason}")
