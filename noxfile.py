@@ -23,6 +23,8 @@ USES_TEST_MODELS = {"worker", "server"}
 TESTING = ROOT / "testing"
 # Packages whose benchmarks drive the whole engine (spec-decode times it with and without drafts).
 BENCHMARKS_USE_STACK = {"spec-decode"}
+# Optional extras the tests exercise, installed under the same torch pin (Ray's executor tests).
+TEST_EXTRAS = {"worker": "[ray]"}
 STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
 
 
@@ -74,6 +76,11 @@ def _pin_local_cpu_torch(session: nox.Session) -> None:
     session.env["UV_CONSTRAINT"] = str(constraints)
 
 
+def _editable(folders: list[str]) -> list[str]:
+    """``-e`` arguments for package folders, with the extras their tests exercise."""
+    return [a for f in folders for a in ("-e", f"{PACKAGES_DIR / f}{TEST_EXTRAS.get(f, '')}")]
+
+
 def _install_package(session: nox.Session, package: str) -> None:
     _pin_local_cpu_torch(session)
     folder = PACKAGES_DIR / package
@@ -82,7 +89,7 @@ def _install_package(session: nox.Session, package: str) -> None:
     if package in USES_TEST_MODELS:
         # The helper writes its models with the server's demo-model writer: its closure comes too.
         packages += _local_deps(TESTING)
-    editable = [arg for dep in _local_closure(*packages) for arg in ("-e", str(PACKAGES_DIR / dep))]
+    editable = _editable(_local_closure(*packages))
     if package in USES_TEST_MODELS:
         editable += ["-e", str(TESTING)]
     session.install(*editable, *groups)
@@ -142,7 +149,7 @@ def benchmarks(session: nox.Session, package: str) -> None:
 
 def _install_stack(session: nox.Session) -> None:
     _pin_local_cpu_torch(session)
-    editable = [a for p in PACKAGES for a in ("-e", str(PACKAGES_DIR / p))]
+    editable = _editable(PACKAGES)
     groups = nox.project.dependency_groups(_pyproject(ROOT), "test")
     session.install(*editable, "-e", str(ROOT), "-e", str(TESTING), *groups)
 

@@ -13,7 +13,8 @@ def test_cli_round_trip_sets_every_field():
             "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--block-size", "32",
             "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
             "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
-            "--num-threads", "3",
+            "--num-threads", "3", "-tp", "2", "--pipeline-parallel-size", "3",
+            "--distributed-executor-backend", "ray",
         ]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(namespace)
@@ -31,6 +32,9 @@ def test_cli_round_trip_sets_every_field():
         seed=7,
         scheduling_policy="priority",
         num_threads=3,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=3,
+        distributed_executor_backend="ray",
     )
     assert args.model_name == "tiny"
 
@@ -53,6 +57,9 @@ def test_defaults_derive_from_model():
         ("dtype", "int8"),
         ("model", ""),
         ("num_threads", 0),
+        ("tensor_parallel_size", 0),
+        ("pipeline_parallel_size", "2"),
+        ("distributed_executor_backend", "threads"),
     ],
 )
 def test_bad_values_name_the_field(field, value):

@@ -69,7 +69,6 @@ def test_kv_blocks_come_from_the_memory_budget(llama):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(tensor_parallel_size=2), NotImplementedError, "tensor_parallel_size=2"),
         (dict(kv_cache_memory=None), ValueError, "kv_cache_memory"),
         (dict(kv_cache_memory=100), ValueError, "holds no KV block"),
         (dict(max_model_len=4096), ValueError, "max_model_len"),

@@ -118,6 +118,8 @@ def test_hub_download_failure_names_the_model(tmp_path, monkeypatch):
         resolve_model_path("no-such-org/no-such-model")
 
 
-def test_tensor_parallel_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+def test_a_tensor_parallel_group_needs_a_process_group():
+    with pytest.raises(ValueError, match="size 2 needs a torch"):
         TensorParallelGroup(rank=0, size=2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        TensorParallelGroup(rank=1, size=1)

@@ -14,6 +14,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
+_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 _BYTE_UNITS = {
     "": 1,
     "k": 1000,
@@ -57,7 +58,8 @@ class EngineArgs:
     on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
     ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
     the engine) as the cores other processes are not keeping busy, less one under
-    ``ember serve`` for its front end process, at least one (see ``default_num_threads``).
+    ``ember serve`` for its front end process, at least one (see ``default_num_threads``),
+    shared among the worker ranks when there are several.
     ``kv_transfer_config`` is vLLM's: ``{"kv_connector": "TieredConnector", "kv_role":
     "kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}``.
     """
@@ -80,6 +82,9 @@ class EngineArgs:
     # "auto": pooling for a *ForSequenceClassification checkpoint, else generate.
     runner: str = "auto"
     pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni, mp or ray; None: uni or mp by ranks
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
     speculative_config: SpeculativeConfig | None = None
     # Engine cores behind one front end (``ember serve``), each with its own KV cache and workers.
@@ -97,7 +102,13 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
-        for name in ("max_num_seqs", "block_size", "data_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "block_size",
+            "data_parallel_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
@@ -105,6 +116,11 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.scheduling_policy must be one of {_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.distributed_executor_backend not in (None, *_EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"EngineArgs.distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
             )
         if self.runner not in RUNNERS:
             raise ValueError(f"EngineArgs.runner must be one of {RUNNERS}, got {self.runner!r}")
@@ -223,6 +239,27 @@ class EngineArgs:
             default=1,
             help="Engine cores behind this server, each with its own KV cache; requests go to "
             "the engine holding their prompt's prefix, else to the least loaded.",
+        )
+        group.add_argument(
+            "-tp",
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            help="Ranks that split each layer (heads, MLP columns, vocabulary).",
+        )
+        group.add_argument(
+            "-pp",
+            "--pipeline-parallel-size",
+            type=int,
+            default=1,
+            help="Pipeline stages that split the layers.",
+        )
+        group.add_argument(
+            "--distributed-executor-backend",
+            default=None,
+            choices=_EXECUTOR_BACKENDS,
+            help="uni: one rank in the engine process; mp: one process per rank on this machine; "
+            "ray: Ray actors across a Ray cluster. Default: uni for one rank, else mp.",
         )
         return parser
 

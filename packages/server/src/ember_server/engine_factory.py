@@ -44,26 +44,31 @@ def make_engine_core(
     """
     import torch
 
+    from ember_worker.distributed.groups import ParallelConfig
     from ember_worker.executor import InProcessExecutor
 
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    executor = InProcessExecutor(
-        args.model,
-        tokenizer=model_config.tokenizer,
-        dtype=args.dtype,
-        max_model_len=model_config.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=model_config.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory=kv_cache_memory,
-        seed=args.seed,
-        num_threads=args.num_threads
-        or default_num_threads(front_end_alongside=front_end_alongside),
-        kv_transfer_config=args.kv_transfer,
-        speculative_config=args.speculative_config,
-    )
+    num_threads = args.num_threads or default_num_threads(front_end_alongside=front_end_alongside)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    if parallel.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
+        executor = _rank_executor(args, model_config, kv_cache_memory, num_threads, parallel)
+    else:
+        executor = InProcessExecutor(
+            args.model,
+            tokenizer=model_config.tokenizer,
+            dtype=args.dtype,
+            max_model_len=model_config.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=model_config.max_num_batched_tokens,
+            block_size=args.block_size,
+            kv_cache_memory=kv_cache_memory,
+            seed=args.seed,
+            num_threads=num_threads,
+            kv_transfer_config=args.kv_transfer,
+            speculative_config=args.speculative_config,
+        )
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=model_config.max_num_batched_tokens,
@@ -113,3 +118,31 @@ def fit_max_model_len(args: EngineArgs, model_config: ModelConfig, engine_core) 
         capacity,
     )
     return dataclasses.replace(model_config, max_model_len=capacity)
+
+
+def _rank_executor(args, model_config, kv_cache_memory, num_threads, parallel):
+    """The multiprocess or Ray executor (``distributed_executor_backend``) for several ranks."""
+    from ember_worker.distributed.worker import WorkerConfig
+    from ember_worker.executor_factory import make_executor
+
+    if args.speculative_config is not None:
+        raise ValueError(
+            "speculative_config needs the in-process executor (one rank); it is not implemented "
+            "with worker processes or Ray"
+        )
+    worker_config = WorkerConfig(
+        args.model,
+        tokenizer=model_config.tokenizer,
+        dtype=args.dtype,
+        max_model_len=model_config.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=model_config.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=kv_cache_memory,
+        seed=args.seed,
+        num_threads=max(1, num_threads // parallel.world_size),
+        parallel=parallel,
+    )
+    return make_executor(
+        worker_config, args.distributed_executor_backend, kv_transfer_config=args.kv_transfer
+    )

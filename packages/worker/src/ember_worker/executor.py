@@ -11,7 +11,6 @@ from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
-from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.structured_outputs import XGrammarCompiler
@@ -25,7 +24,8 @@ class InProcessExecutor:
     reports the block count as ``num_kv_blocks``. ``grammar_compiler`` compiles structured-output
     specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
     ``num_threads`` sets torch's (process-wide)
-    intra-op thread count; None leaves it alone. With ``kv_transfer_config`` the runner moves
+    intra-op thread count; None leaves it alone. Several ranks run in the multiprocess or Ray
+    executors (``executor_factory.make_executor``). With ``kv_transfer_config`` the runner moves
     KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
     ``prefix_caching_hash_algo``'s chain hashes (the scheduler's).
     """
@@ -43,14 +43,12 @@ class InProcessExecutor:
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
-        tensor_parallel_size: int = 1,
         device: str | torch.device | None = None,
         num_threads: int | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         prefix_caching_hash_algo: str = "sha256",
         speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        tp = TensorParallelGroup(rank=0, size=tensor_parallel_size)
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -68,7 +66,7 @@ class InProcessExecutor:
                 raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
-        loaded = load_model(model, dtype=dtype, device=self.device, tp=tp)
+        loaded = load_model(model, dtype=dtype, device=self.device)
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -102,7 +100,7 @@ class InProcessExecutor:
         if kv_transfer_config is not None:
             spec = self.model_runner.kv_cache_spec
             fingerprint = layout_fingerprint(
-                loaded.path, spec, kv_transfer_config, prefix_caching_hash_algo, tp.rank
+                loaded.path, spec, kv_transfer_config, prefix_caching_hash_algo, 0
             )
             self._kv_transfer_store = kv_transfer_config.make_store(fingerprint)
             self.model_runner.register_kv_connector(

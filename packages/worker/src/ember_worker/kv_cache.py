@@ -28,10 +28,12 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, block_size: int) -> KVCacheSpec:
+        """This rank's share: its pipeline stage's layers and its tensor-parallel KV heads."""
+        layers = loaded.model.local_layers
         return cls(
-            num_layers=loaded.config.num_hidden_layers,
+            num_layers=len(layers),
             block_size=block_size,
-            num_kv_heads=loaded.model.model.layers[0].self_attn.num_kv_heads,
+            num_kv_heads=loaded.model.model.layers[layers.start].self_attn.num_kv_heads,
             head_size=loaded.config.head_dim,
             dtype=loaded.dtype,
         )

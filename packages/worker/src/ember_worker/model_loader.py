@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 
@@ -97,14 +98,18 @@ def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def iterate_weights(files: list[pathlib.Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of ``files``, read one at a time from memory maps."""
+def iterate_weights(
+    files: list[pathlib.Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of ``files`` (that ``keep`` accepts), read one at a time
+    from memory maps; tensors not kept are never read."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_model(
@@ -113,9 +118,13 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup = SINGLE_RANK,
+    pp: PipelineStage = SINGLE_STAGE,
     revision: str | None = None,
 ) -> LoadedModel:
-    """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``."""
+    """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
+
+    Under tensor or pipeline parallelism each rank builds only its shards and stage, and copies
+    each checkpoint tensor's slice into them as it is read (tensors of other stages are skipped)."""
     from transformers import AutoConfig
 
     path = resolve_model_path(model, revision=revision)
@@ -134,7 +143,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, hf_config)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM
     with torch.device(device):
-        decoder = model_class(config, tp=tp, dtype=torch_dtype)
-    decoder.load_weights(iterate_weights(safetensors_files(path)))
+        decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
+    decoder.load_weights(iterate_weights(safetensors_files(path), keep=decoder.holds_tensor))
     decoder.eval()
     return LoadedModel(decoder, config, hf_config, torch_dtype, path)

@@ -16,6 +16,7 @@ import torch
 import ember_kernels as ek
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
+from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.kv_connector import TieredConnectorWorker
@@ -30,7 +31,12 @@ from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
 
 
 class ModelRunner:
-    """Holds the model, its KV cache tensors and the persistent batch of one worker."""
+    """Holds the model, its KV cache tensors and the persistent batch of one worker.
+
+    Under pipeline parallelism (``pp``) a stage other than the first receives the previous
+    stage's activations, a stage other than the last sends its own on and takes the sampled
+    tokens from the last stage, so that every stage's batch holds the same tokens.
+    """
 
     def __init__(
         self,
@@ -43,9 +49,11 @@ class ModelRunner:
         device: torch.device,
         grammar_compiler: XGrammarCompiler | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        pp: PipelineStage = SINGLE_STAGE,
     ) -> None:
         self.model = loaded.model
         self.device = device
+        self.pp = pp
         if device.type == "cpu":
             # Build (first run on this CPU) or load the compiled attention now, not in a step.
             ek.cpu_ops.available()
@@ -94,7 +102,8 @@ class ModelRunner:
         self.kv_connector = connector
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's outputs; None on a pipeline stage other than the last."""
         connector = self.kv_connector
         if connector is None:
             return self._execute_model(scheduler_output)
@@ -104,7 +113,7 @@ class ModelRunner:
         output.kv_connector_output = connector.finish_step(idle)
         return output
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         if spec_decode_tokens and self.spec_decoder is None:
             raise ValueError(
@@ -123,7 +132,15 @@ class ModelRunner:
         batch.set_num_scheduled_tokens(num_scheduled, spec_decode_tokens)
         inputs = self.input_buffers.prepare()
         metadata = _attention_metadata(inputs)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, metadata)
+        hidden_states = self._forward(inputs, metadata)
+        if hidden_states is None:  # an earlier pipeline stage: the last one samples
+            if len(self.pooler.params) < batch.num_reqs:
+                sampled_ids = torch.empty(batch.num_reqs, dtype=torch.int64, device=self.device)
+                sampled = self.pp.share_from_last(sampled_ids).cpu().numpy()
+                sampled = batch.append_sampled_tokens(sampled)
+                if self.grammar_matchers:
+                    self.grammar_matchers.accept_sampled(index, sampled)
+            return None
         pooler_output = {}
         if self.pooler.params:
             pooler_output = self.pooler.pool(hidden_states, batch, num_scheduled)
@@ -161,7 +178,8 @@ class ModelRunner:
         if self.grammar_matchers:
             self.grammar_matchers.apply_bitmask(logits, index)
         sampler_output = self.sampler(logits, build_sampling_metadata(batch))
-        sampled = batch.append_sampled_tokens(sampler_output.sampled_token_ids.cpu().numpy())
+        sampled_ids = self.pp.share_from_last(sampler_output.sampled_token_ids)
+        sampled = batch.append_sampled_tokens(sampled_ids.cpu().numpy())
         if self.grammar_matchers:
             self.grammar_matchers.accept_sampled(index, sampled)
         for req_id in self.pooler.params:  # rows sampled alongside, for nothing
@@ -174,6 +192,21 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             pooler_output=pooler_output,
         )
+
+    def _forward(self, inputs: ModelInputs, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The last stage's hidden states; other stages send their activations on, return None."""
+        intermediate = None
+        if not self.pp.is_first:
+            shape = (inputs.input_ids.shape[0], self.model.config.hidden_size)
+            dtype = self.kv_cache_spec.dtype
+            intermediate = self.pp.recv(
+                tuple(torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2))
+            )
+        out = self.model(inputs.input_ids, inputs.positions, metadata, intermediate)
+        if self.pp.is_last:
+            return out
+        self.pp.send(out)
+        return None
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import ember_kernels as ek
+from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.layers.attention import AttentionMetadata, PagedAttention
 from ember_worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -155,26 +156,55 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class DecoderModel(nn.Module):
-    """Embedding, the decoder layers and the final norm (HF's ``model.`` prefix)."""
+class MissingLayer(nn.Module):
+    """Stands in for a decoder layer that another pipeline stage holds (keeps layer indices)."""
 
-    def __init__(self, config: DecoderConfig, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (HF's ``model.`` prefix).
+
+    Under pipeline parallelism a stage builds only its own layers; the embedding lives on the
+    first stage and the final norm on the last. A stage other than the first takes the previous
+    stage's ``(hidden_states, residual)``; a stage other than the last returns them.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        pp: PipelineStage = SINGLE_STAGE,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
+        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
+            if pp.is_first
+            else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, tp, dtype) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp, dtype)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        if self.norm is None:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -197,20 +227,37 @@ class DecoderForCausalLM(nn.Module):
         config: DecoderConfig,
         *,
         tp: TensorParallelGroup = SINGLE_RANK,
+        pp: PipelineStage = SINGLE_STAGE,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, tp, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
-        if config.tie_word_embeddings:
+        self.model = DecoderModel(config, tp, dtype, pp)
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
+            if pp.is_last
+            else None
+        )
+        # A last stage without the embedding loads the tied head from the embedding's tensor.
+        self.shares_embedding = config.tie_word_embeddings and pp.is_first and pp.is_last
+        if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def local_layers(self) -> range:
+        """Indices of the decoder layers this pipeline stage holds."""
+        return range(self.model.start_layer, self.model.end_layer)
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's hidden states, or ``(hidden_states, residual)`` for the next stage."""
+        return self.model(input_ids, positions, metadata, intermediate)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -228,6 +275,9 @@ class DecoderForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue  # older checkpoints store RoPE frequencies; they are recomputed
             if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            name = self._stage_name(name)
+            if name is None:
                 continue
             target, shard = name, None
             for part, merged, shard_id in _MERGED_WEIGHTS:
@@ -250,12 +300,31 @@ class DecoderForCausalLM(nn.Module):
         self._check_all_filled(filled)
         return filled
 
+    def holds_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` has a home on this pipeline stage."""
+        return self._stage_name(name) is not None
+
+    def _stage_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills on this pipeline stage; None if it belongs to
+        another stage."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return name if index in self.local_layers else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_head = self.config.tie_word_embeddings and self.lm_head is not None
+            return name.replace("model.embed_tokens.", "lm_head.") if tied_head else None
+        if name.startswith(("model.norm.", "lm_head.")) and self.lm_head is None:
+            return None
+        return name
+
     def _check_all_filled(self, filled: set[str]) -> None:
         missing = []
         for name, module in self.named_modules():
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}" if name else pname
-                if self.config.tie_word_embeddings and full.startswith("lm_head."):
+                if self.shares_embedding and full.startswith("lm_head."):
                     continue
                 if isinstance(module, QKVParallelLinear):
                     needed = [f"{full}[{s}]" for s in QKVParallelLinear.SHARD_IDS]
@@ -287,11 +356,12 @@ class DecoderForSequenceClassification(DecoderForCausalLM):
         config: DecoderConfig,
         *,
         tp: TensorParallelGroup = SINGLE_RANK,
+        pp: PipelineStage = SINGLE_STAGE,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if not config.num_labels:
             raise ValueError("DecoderForSequenceClassification needs config.num_labels")
-        super().__init__(config, tp=tp, dtype=dtype)
+        super().__init__(config, tp=tp, pp=pp, dtype=dtype)
         del self.lm_head
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
         self.score.weight.requires_grad_(False)

@@ -1,0 +1,180 @@
+"""The multiprocess executor: one worker process per rank on this machine, as vLLM v1's.
+
+Each step's ``SchedulerOutput`` is msgpack-encoded once and broadcast to every rank over a ZMQ
+XPUB socket; only the output rank (the last pipeline stage's first tensor-parallel rank) answers
+on the PULL socket. The executor watches its processes: a rank that fails or dies, at start-up or
+in a step, raises a ``RuntimeError`` naming the rank, which the engine core turns into its death
+(every other rank is then stopped by ``shutdown``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+import msgspec
+import torch
+import zmq
+
+from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from ember_worker.distributed import mp_worker as proto
+from ember_worker.distributed.groups import free_port
+from ember_worker.distributed.mp_worker import WorkerProcConfig
+from ember_worker.distributed.worker import (
+    WorkerConfig,
+    WorkerFailedError,
+    make_grammar_compiler,
+    model_vocab_size,
+)
+
+_POLL_MS = 50  # how often a waiting executor checks that its workers are alive
+_STOP_GRACE_S = 5.0
+_DEATH_NOTICE_S = 0.5  # how long a failed step waits to see whether a rank died
+
+
+class MultiprocExecutor:
+    """Implements the engine core's ``Executor`` with one process per rank."""
+
+    def __init__(
+        self, config: WorkerConfig, device: str | None = None, startup_timeout: float = 600.0
+    ) -> None:
+        parallel = config.parallel
+        if torch.cuda.is_available() and device is None:
+            count = torch.cuda.device_count()
+            if parallel.world_size > count:
+                raise ValueError(
+                    f"{parallel.world_size} ranks (tensor x pipeline parallel) need as many GPUs; "
+                    f"this machine has {count} (the ray backend spans several machines)"
+                )
+        self.config = config
+        self.block_size = config.block_size
+        self.kv_transfer_store = None  # KV connectors run with one rank only
+        self._world_size = parallel.world_size
+        self._output_rank = parallel.output_rank
+        self._socket_dir = tempfile.mkdtemp(prefix="ember-workers-")
+        self._context = zmq.Context()
+        self._commands = self._context.socket(zmq.XPUB)
+        self._commands.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
+        self._commands.setsockopt(zmq.SNDHWM, 0)
+        self._commands.bind(f"ipc://{self._socket_dir}/commands")
+        self._results = self._context.socket(zmq.PULL)
+        self._results.setsockopt(zmq.RCVHWM, 0)
+        self._results.bind(f"ipc://{self._socket_dir}/results")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self.processes: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _stop, self.processes, 0.0)
+        self._failed = False
+        self.vocab_size = model_vocab_size(config.model)
+        self.grammar_compiler = make_grammar_compiler(config, self.vocab_size)
+        try:
+            self.num_kv_blocks = self._start(config, device, startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def _start(self, config: WorkerConfig, device: str | None, timeout: float) -> int:
+        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        for rank in range(self._world_size):
+            proc_config = WorkerProcConfig(
+                worker=config,
+                rank=rank,
+                init_method=init_method,
+                broadcast_address=f"ipc://{self._socket_dir}/commands",
+                result_address=f"ipc://{self._socket_dir}/results",
+                parent_pid=os.getpid(),
+                device=device,
+            )
+            argv = ["--config", msgspec.json.encode(proc_config).decode()]
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ember_worker.distributed.mp_worker", *argv]
+                )
+            )
+        blocks: dict[int, int] = {}
+        subscribed = 0
+        deadline = time.monotonic() + timeout
+        while len(blocks) < self._world_size or subscribed < self._world_size:
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"worker ranks did not start within {timeout:.0f} s")
+            while self._commands.poll(0):
+                subscribed += self._commands.recv()[:1] == b"\x01"
+            if not self._results.poll(_POLL_MS):
+                self._check_alive("during start-up")
+                continue
+            kind, rank, payload = self._results.recv_multipart()
+            if kind == proto.READY:
+                blocks[int(rank)] = int(payload)
+            else:
+                self._raise_failed(kind, rank, payload, "at start-up")
+        # Every rank allocates the block count that fits the smallest budget.
+        num_blocks = min(blocks.values())
+        self._commands.send_multipart([proto.KV_BLOCKS, str(num_blocks).encode()])
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._failed or not self.processes:
+            raise WorkerFailedError("the executor's workers have failed or been shut down")
+        self._commands.send_multipart([proto.STEP, self._encoder.encode(scheduler_output)])
+        while not self._results.poll(_POLL_MS):
+            self._check_alive("in a step")
+        kind, rank, payload = self._results.recv_multipart(copy=False)
+        if kind.bytes != proto.OUTPUT:
+            self._raise_failed(kind.bytes, rank.bytes, payload.bytes, "in a step")
+        return self._output_decoder.decode(payload.buffer)
+
+    def _check_alive(self, when: str) -> None:
+        for rank, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                self._failed = True
+                raise WorkerFailedError(
+                    f"worker rank {rank} (pid {process.pid}) exited with code {code} {when}"
+                )
+
+    def _raise_failed(self, kind: bytes, rank: bytes, payload: bytes, when: str) -> None:
+        self._failed = True
+        # A rank whose peer died fails in its collective; report the dead peer, the cause.
+        deadline = time.monotonic() + _DEATH_NOTICE_S
+        while time.monotonic() < deadline:
+            self._check_alive(when)
+            time.sleep(_POLL_MS / 1000)
+        detail = payload.decode(errors="replace").rstrip()
+        last = detail.splitlines()[-1] if detail else kind.decode(errors="replace")
+        raise WorkerFailedError(f"worker rank {int(rank)} failed {when}: {last}\n{detail}")
+
+    def shutdown(self) -> None:
+        """Stop every worker process (at once after a failure) and release the sockets."""
+        if self.processes and not self._failed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._commands.send_multipart([proto.STOP, b""])
+        _stop(self.processes, 0.0 if self._failed else _STOP_GRACE_S)
+        self._finalizer.detach()
+        self._commands.close(linger=0)
+        self._results.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self.grammar_compiler.shutdown()
+
+
+def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the processes to exit, then kill the rest and reap them all."""
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    processes.clear()

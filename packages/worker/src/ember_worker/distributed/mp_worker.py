@@ -1,0 +1,116 @@
+"""One rank of the multiprocess executor, as its own process (``python -m`` this module).
+
+It joins the ``torch.distributed`` world, loads its part of the model and reports READY with the
+KV blocks its budget holds (or FAILED with its traceback). Then it follows the executor's
+broadcast: the KV block count to allocate, each step's ``SchedulerOutput`` (msgpack), and STOP.
+Only the output rank sends the step's ``ModelRunnerOutput`` back. A step that raises sends FAILED
+and ends the process; so does the executor's process going away (checked while idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from ember_scheduler.outputs import SchedulerOutput
+from ember_worker.distributed.groups import init_rank_groups
+from ember_worker.distributed.worker import Worker, WorkerConfig, backend_for, rank_device
+
+# Broadcast kinds (executor -> every rank): [kind, payload].
+STEP, KV_BLOCKS, STOP = b"step", b"kv", b"stop"
+# Result kinds (rank -> executor): [kind, rank, payload].
+READY, FAILED, OUTPUT = b"ready", b"failed", b"output"
+
+_IDLE_POLL_MS = 500  # how often an idle rank checks that the executor's process is alive
+
+
+class WorkerProcConfig(msgspec.Struct, frozen=True):
+    """How one worker process finds its executor and its peers."""
+
+    worker: WorkerConfig
+    rank: int
+    init_method: str  # torch.distributed rendezvous, tcp://host:port
+    broadcast_address: str
+    result_address: str
+    parent_pid: int
+    device: str | None = None
+
+
+def run_worker(config: WorkerProcConfig) -> int:
+    context = zmq.Context()
+    commands = context.socket(zmq.SUB)
+    commands.setsockopt(zmq.SUBSCRIBE, b"")
+    commands.connect(config.broadcast_address)
+    results = context.socket(zmq.PUSH)
+    results.connect(config.result_address)
+    rank = str(config.rank).encode()
+    try:
+        try:
+            device = rank_device(config.rank, config.device)
+            groups = init_rank_groups(
+                config.worker.parallel, config.rank, config.init_method, backend_for(device)
+            )
+            worker = Worker(config.worker, groups, device)
+            num_blocks = worker.num_available_blocks()
+        except Exception:
+            results.send_multipart([FAILED, rank, traceback.format_exc().encode()])
+            return 1
+        results.send_multipart([READY, rank, str(num_blocks).encode()])
+        return _serve(worker, config, commands, results, rank)
+    finally:
+        commands.close(linger=0)
+        results.close(linger=2000)  # let a FAILED report reach the executor
+        context.term()
+
+
+def _serve(
+    worker: Worker,
+    config: WorkerProcConfig,
+    commands: zmq.Socket,
+    results: zmq.Socket,
+    rank: bytes,
+) -> int:
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    encoder = msgspec.msgpack.Encoder()
+    is_output_rank = config.rank == config.worker.parallel.output_rank
+    while True:
+        if not commands.poll(_IDLE_POLL_MS):
+            if os.getppid() != config.parent_pid:
+                return 0
+            continue
+        kind, payload = commands.recv_multipart(copy=False)
+        kind = kind.bytes
+        try:
+            if kind == STEP:
+                output = worker.execute_model(decoder.decode(payload.buffer))
+                if is_output_rank:
+                    results.send_multipart([OUTPUT, rank, encoder.encode(output)], copy=False)
+            elif kind == KV_BLOCKS:
+                worker.initialize_kv_cache(int(payload.bytes))
+            elif kind == STOP:
+                return 0
+            else:
+                raise RuntimeError(f"worker got an unknown command {kind!r}")
+        except Exception:
+            results.send_multipart([FAILED, rank, traceback.format_exc().encode()])
+            return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Ember worker rank (started by the executor).")
+    parser.add_argument("--config", required=True, help="WorkerProcConfig as JSON.")
+    options = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the executor decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = msgspec.json.decode(options.config.encode(), type=WorkerProcConfig)
+    return run_worker(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
