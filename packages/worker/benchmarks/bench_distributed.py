@@ -36,9 +36,8 @@ from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.outputs import CachedRequestData, SchedulerOutput
 from ember_scheduler.sampling_params import SamplingParams
-from ember_testing.tiny_models import VOCAB_SIZE
 from ember_worker.distributed.groups import ParallelConfig, free_port
-from ember_worker.distributed.worker import WorkerConfig
+from ember_worker.distributed.worker import WorkerConfig, model_vocab_size
 from ember_worker.executor_factory import make_executor
 
 BATCH = 16
@@ -102,13 +101,13 @@ def decode_step_seconds(parallel: ParallelConfig, decode_steps: int) -> tuple[fl
     return decode, round_trip
 
 
-def _collectives(rank: int, port: int, repeats: int, results) -> None:
+def _collectives(rank: int, port: int, repeats: int, vocab_size: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
     hidden = MODEL_OVERRIDES["hidden_size"]
     layers = MODEL_OVERRIDES["num_hidden_layers"]
     x = torch.randn(BATCH, hidden)
-    logits = torch.randn(BATCH, VOCAB_SIZE // 2)
+    logits = torch.randn(BATCH, vocab_size // 2)
     ids = torch.zeros(BATCH, dtype=torch.int64)
 
     def tp_step() -> None:
@@ -136,7 +135,9 @@ def _collectives(rank: int, port: int, repeats: int, results) -> None:
 def collective_seconds(repeats: int) -> dict[str, float]:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_collectives, args=(free_port("127.0.0.1"), repeats, results), nprocs=2)
+        vocab_size = model_vocab_size(str(model_path()))
+        args = (free_port("127.0.0.1"), repeats, vocab_size, results)
+        mp.spawn(_collectives, args=args, nprocs=2)
         return dict(results)
 
 
