@@ -340,9 +340,12 @@ class AsyncLLM:
                 queue = (self._queues.pop if output.finished else self._queues.get)(
                     output.request_id, None
                 )
+                if output.finished:  # its engine holds nothing of it any more
+                    self.router.finish(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
             for request_id, reason in processed.request_errors.items():
+                self.router.finish(request_id)
                 queue = self._queues.pop(request_id, None)
                 if queue is not None:
                     queue.put_nowait(
