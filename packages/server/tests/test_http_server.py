@@ -679,13 +679,6 @@ async def _soak(server, num_requests: int, seed: int) -> dict[str, int]:
 
 
 def _soak_and_check(server, num_requests: int) -> None:
-    if server.engine_args.data_parallel_size > 1:
-        # Not yet passing at DP=2: after the soak, a dropped chat stream's per-request queue can
-        # outlive _assert_idle's 10 s wait (its generator holds a final output nobody reads; the
-        # suspect is that the route's stream generators are closed only when garbage-collected,
-        # not on disconnect). Open, reported with issue 15.
-        pytest.skip("DP=2 soak: a dropped stream's queue outlives the idle check (open)")
-
     asyncio.run(_soak(server, 16, seed=1))  # warm-up: reach the steady-state memory
     _assert_idle(server)
     rss_before = _engine_rss_kib(server)
