@@ -55,7 +55,9 @@ def assert_greedy_parity(arch: str, config: SpeculativeConfig, settings: dict) -
     runs, totals = run_twice_if_cached(core, prefix_caching)
     if "num_blocks" in settings:
         assert totals["num_preemptions"] > 0
-    assert totals["num_accepted_tokens"] > 0
+    # an unrelated random one-layer draft may never agree with the target: it must draft
+    key = "num_accepted_tokens" if config.method == "ngram" else "num_draft_tokens"
+    assert totals[key] > 0
     for outputs in runs:
         assert_matches_hf(arch, outputs)
     return totals
