@@ -84,10 +84,12 @@ def make_engine_core(
     engine_core = EngineCore(
         executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
     )
-    return engine_core, fit_max_model_len(args, model_config, engine_core)
+    return engine_core, fit_max_model_len(args, model_config, engine_core, kv_cache_memory)
 
 
-def fit_max_model_len(args: EngineArgs, model_config: ModelConfig, engine_core) -> ModelConfig:
+def fit_max_model_len(
+    args: EngineArgs, model_config: ModelConfig, engine_core, kv_cache_memory: int | None
+) -> ModelConfig:
     """``model_config`` if one sequence of ``max_model_len`` tokens fits in the KV cache.
 
     Else: a ``ValueError`` naming both numbers and the fix when ``max_model_len`` was given; the
@@ -102,14 +104,17 @@ def fit_max_model_len(args: EngineArgs, model_config: ModelConfig, engine_core) 
     block_size = executor.block_size
     if args.max_model_len is not None:
         reserved = executor.num_kv_blocks - engine_core.scheduler.num_kv_blocks
-        needed = (
-            -(-wanted // block_size) + reserved
-        ) * executor.model_runner.kv_cache_spec.bytes_per_block
+        needed_blocks = -(-wanted // block_size) + reserved
+        if kv_cache_memory is None:  # a GPU cache sized from free memory
+            raise_budget = "Give a larger KV cache in bytes (--kv-cache-memory)"
+        else:
+            # The budget is split into whole blocks (on every rank alike), so it scales linearly.
+            needed = -(-kv_cache_memory * needed_blocks // executor.num_kv_blocks)
+            raise_budget = f"Raise kv_cache_memory (--kv-cache-memory) to at least {needed} bytes"
         raise ValueError(
             f"max_model_len {wanted} is more than the KV cache holds for one sequence: "
-            f"{capacity} tokens in blocks of {block_size}. Raise kv_cache_memory "
-            f"(--kv-cache-memory) to at least {needed} bytes, or lower max_model_len "
-            f"(--max-model-len) to {capacity} or less."
+            f"{capacity} tokens in blocks of {block_size}. {raise_budget}, or lower "
+            f"max_model_len (--max-model-len) to {capacity} or less."
         )
     logger.warning(
         "lowering max_model_len from the model's %d to %d tokens, all that the KV cache holds "
