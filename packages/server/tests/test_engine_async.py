@@ -82,9 +82,9 @@ def test_streamed_n2_tags_each_delta_with_its_sequence(loop, engine):
     params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=5)
     deltas = loop.run_until_complete(_collect(engine, "x = [1, 2", params, "n2-stream"))
     per_index = {0: [], 1: []}
-    for delta in deltas:
-        (completion,) = delta.outputs
-        per_index[completion.index].extend(completion.token_ids)
+    for delta in deltas:  # a delta the consumer was late for holds both sequences' news
+        for completion in delta.outputs:
+            per_index[completion.index].extend(completion.token_ids)
     assert [len(v) for v in per_index.values()] == [5, 5]
     assert deltas[-1].finished and sum(d.finished for d in deltas) == 1
 
@@ -99,7 +99,8 @@ def test_cumulative_outputs_grow(loop, engine, offline):
         return [out async for out in stream]
 
     outputs = loop.run_until_complete(run())
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5]
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]  # a late consumer skips ahead
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 5
     expected = offline.generate("def foo(", params, use_tqdm=False)[0].outputs[0]
     assert outputs[-1].outputs[0].token_ids == expected.token_ids
     assert outputs[-1].outputs[0].text == expected.text

@@ -19,6 +19,7 @@ from ember_server.engine_args import EngineArgs
 from ember_server.input_processor import InputProcessor, PromptType
 from ember_server.metrics import EngineMetrics, IterationStats
 from ember_server.model_config import ModelConfig
+from ember_server.output_collector import RequestOutputCollector
 from ember_server.output_processor import OutputProcessor
 from ember_server.outputs import RequestOutput, RequestOutputKind
 from ember_server.pooling_outputs import PoolingRequestOutput
@@ -67,7 +68,7 @@ class AsyncLLM:
         self.text_encoder = TextEncoder(tokenizer, model_config.max_model_len)
         self.dead_error: EngineDeadError | None = None
         self._dead = asyncio.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, RequestOutputCollector] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._shut_down = False
@@ -166,7 +167,7 @@ class AsyncLLM:
             self.dead_error = error
             self._dead.set()
         for queue in self._queues.values():
-            queue.put_nowait(error)
+            queue.put(error)
 
     def is_healthy(self) -> bool:
         """True while some engine core is alive and serving."""
@@ -188,6 +189,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: deltas when ``stream``, else one final cumulative output
         (``output_kind``, when given, chooses instead: ``CUMULATIVE`` streams everything so far).
+        A caller that falls behind gets the engine steps it missed in one output.
 
         Input is checked here, at the call (``ValueError`` naming the problem), before anything
         reaches the engine core; the request is sent when iteration starts. Leaving the iteration
@@ -227,15 +229,17 @@ class AsyncLLM:
             request_id, ids, pooling_params, priority
         )
         self.output_processor.add_pooling_request(request)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
         self._queues[request_id] = queue
         finished = False
         try:
             await self._send(request_id, [request])
-            item = await queue.get()
+            try:
+                item = await queue.get()
+            except Exception:
+                finished = True  # the engine's answer was an error: nothing left to abort
+                raise
             finished = True
-            if isinstance(item, BaseException):
-                raise item
             return item
         finally:
             if not finished:
@@ -264,16 +268,14 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self.output_processor.add_request(request_id, text, sampling_params, engine_requests, kind)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = RequestOutputCollector(kind)
         self._queues[request_id] = queue
         self._idle.clear()
         finished = False
         try:
             await self._send(request_id, engine_requests)
             while not finished:
-                item = queue.get_nowait() if not queue.empty() else await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = queue.get_nowait() or await queue.get()
                 finished = item.finished
                 yield item
         except EngineDeadError:
@@ -287,7 +289,7 @@ class AsyncLLM:
             if not self._queues:
                 self._idle.set()
 
-    def _forget_queue(self, request_id: str, queue: asyncio.Queue) -> None:
+    def _forget_queue(self, request_id: str, queue: RequestOutputCollector) -> None:
         """Drop ``queue`` from the map unless the id already belongs to a newer request."""
         if self._queues.get(request_id) is queue:
             del self._queues[request_id]
@@ -304,9 +306,9 @@ class AsyncLLM:
             queue = self._queues.get(request_id)
             if queue is not None:
                 for final in finals:
-                    queue.put_nowait(final)
+                    queue.put(final)
                 if engine_ids and not finals:  # a pooling request
-                    queue.put_nowait(ValueError(f"request {request_id!r} was aborted"))
+                    queue.put(ValueError(f"request {request_id!r} was aborted"))
         engine = self.router.engine_of(request_id)
         if engine_ids and engine is not None and self.engine_errors[engine] is None:
             with contextlib.suppress(EngineDeadError):
@@ -343,14 +345,12 @@ class AsyncLLM:
                 if output.finished:  # its engine holds nothing of it any more
                     self.router.finish(output.request_id)
                 if queue is not None:
-                    queue.put_nowait(output)
+                    queue.put(output)
             for request_id, reason in processed.request_errors.items():
                 self.router.finish(request_id)
                 queue = self._queues.pop(request_id, None)
                 if queue is not None:
-                    queue.put_nowait(
-                        ValueError(f"the engine refused request {request_id!r}: {reason}")
-                    )
+                    queue.put(ValueError(f"the engine refused request {request_id!r}: {reason}"))
             if processed.reqs_to_abort:
                 with contextlib.suppress(EngineDeadError):
                     await client.abort_requests(processed.reqs_to_abort)
@@ -378,7 +378,7 @@ class AsyncLLM:
         for request_id in request_ids:
             queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(error)
+                queue.put(error)
         task = self._output_tasks[index]
         if not task.done() and task is not asyncio.current_task():
             task.cancel()
