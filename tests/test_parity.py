@@ -130,7 +130,7 @@ def make_engine(
         enable_prefix_caching=prefix_caching,
         num_lookahead_tokens=speculative_config.num_lookahead_tokens if speculative_config else 0,
     )
-    return EngineCore(executor, config)
+    return EngineCore(executor, config, executor.grammar_compiler)
 
 
 def run(core: EngineCore, prompts, params_of, prefix: str = "") -> tuple[dict, dict]:

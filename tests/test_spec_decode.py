@@ -3,15 +3,30 @@
 Both proposers (prompt lookup; a draft model, one layer with the same tokenizer, and the target
 as its own draft, where every draft must be accepted), for every architecture, under
 preemption, chunked prefill and prefix caching. Seeded sampling with speculation is reproducible
-whatever else is in the batch.
+whatever else is in the batch. Requests with structured outputs speculate too, and produce what
+they produce without speculation.
 """
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import pytest
-from test_parity import MAX_MODEL_LEN, assert_matches_hf, greedy, make_engine, parity_prompts, run
+from test_parity import (
+    MAX_MODEL_LEN,
+    assert_matches_hf,
+    greedy,
+    make_engine,
+    model_path,
+    parity_prompts,
+    run,
+)
+from transformers import AutoTokenizer
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_scheduler.structured_outputs import StructuredOutputsParams
 from ember_spec_decode import SpeculativeConfig
 from ember_testing.tiny_models import ARCHITECTURES, tiny_model_path
 
@@ -116,3 +131,74 @@ def test_a_run_reaching_max_model_len_mid_step_is_cut_there():
     want, _ = run(make_engine("llama"), [prompt], lambda i: until_full)
     assert len(prompt) + len(got[0]["tokens"]) == MAX_MODEL_LEN
     assert got[0]["tokens"] == want[0]["tokens"]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["name", "tags", "score"],
+}
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+LABELS = ["positive", "negative", "neutral"]
+CONSTRAINED = [
+    StructuredOutputsParams(json=SCHEMA),
+    StructuredOutputsParams(regex=DATE),
+    StructuredOutputsParams(choice=LABELS),
+    StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+]
+
+
+def constrained_or_free(num_constrained: int):
+    """Greedy params: the first ``num_constrained`` requests cycle through ``CONSTRAINED``."""
+
+    def params(i: int) -> SamplingParams:
+        if i >= num_constrained:
+            return SamplingParams(temperature=0.0, max_tokens=48)
+        spec = CONSTRAINED[i % len(CONSTRAINED)]
+        return SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=spec)
+
+    return params
+
+
+def assert_valid(spec: StructuredOutputsParams, text: str) -> None:
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text), text
+    else:
+        assert text in spec.choice
+
+
+# The target as its own draft: its unmasked drafts are accepted wherever the grammar allows them.
+SELF_DRAFT = SpeculativeConfig("draft_model", 3, model=str(tiny_model_path("llama")))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [NGRAM, pytest.param(SELF_DRAFT, marks=pytest.mark.slow)],
+    ids=["ngram", "draft-model"],
+)
+def test_constrained_requests_speculate_and_match_their_output_without_speculation(config):
+    prompts = parity_prompts()
+    tokenizer = AutoTokenizer.from_pretrained(model_path("llama"))
+    constrained = len(CONSTRAINED) * 2
+    params = constrained_or_free(constrained)
+
+    alone, totals = run(
+        make_engine("llama", speculative_config=config), prompts[:constrained], params
+    )
+    assert totals["num_draft_tokens"] > 0  # drafts of constrained rows only
+    assert totals["num_accepted_tokens"] > 0
+    mixed, _ = run(make_engine("llama", speculative_config=config), prompts, params)
+    want, _ = run(make_engine("llama"), prompts, params)
+    for i, output in want.items():
+        assert mixed[i]["tokens"] == output["tokens"], i
+        if i < constrained:
+            assert alone[i]["tokens"] == output["tokens"], i
+            tokens = output["tokens"]
+            assert tokens[-1] == 2  # the grammar ended the request at its EOS
+            assert_valid(CONSTRAINED[i % len(CONSTRAINED)], tokenizer.decode(tokens[:-1]))

@@ -1,7 +1,9 @@
-"""The xgrammar backend: spec checks, the compile cache, masks on constrained rows, rollback."""
+"""The xgrammar backend: spec checks, the compile cache, masks on constrained rows, rollback,
+masks at speculative draft positions."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -118,3 +120,51 @@ def test_a_resumed_request_replays_its_outputs(compiler, tokenizer):
     matchers.add_request("r", spec, [EOS], done)
     assert matchers.accept_tokens("r", _encode(tokenizer, "}")) == 1
     json.loads(tokenizer.decode(done + _encode(tokenizer, "}")))
+
+
+def _allowed(logits_row):
+    return torch.isfinite(logits_row).nonzero().flatten().tolist()
+
+
+def test_each_draft_position_gets_the_mask_after_the_drafts_before_it(compiler, tokenizer):
+    matchers = GrammarMatchers(compiler, max_num_reqs=2, num_speculative_tokens=3)
+    spec = StructuredOutputsParams(regex="[0-9]{3}")
+    matchers.add_request("digits", spec, [EOS])
+    drafts = _encode(tokenizer, "12")
+    # Logits rows: the free request's one row, then "digits" at its 3 verified positions.
+    logits = torch.zeros(4, VOCAB)
+    first_rows = np.array([0, 1])
+    matchers.apply_bitmask_with_drafts(
+        logits, {"free": 0, "digits": 1}, first_rows, {"digits": drafts}
+    )
+    assert _allowed(logits[0]) == list(range(VOCAB))
+    reference = GrammarMatchers(compiler, max_num_reqs=1)
+    reference.add_request("digits", spec, [EOS])
+    for j in range(len(drafts) + 1):
+        want = torch.zeros(1, VOCAB)
+        reference.apply_bitmask(want, {"digits": 0})
+        assert _allowed(logits[1 + j]) == _allowed(want[0])
+        if j < len(drafts):
+            reference.accept_tokens("digits", drafts[j : j + 1])
+    # The matcher is where it was: three more digits, no fewer, end the grammar.
+    assert matchers.accept_tokens("digits", [*_encode(tokenizer, "123"), EOS]) == len(drafts) + 2
+
+
+def test_positions_after_a_refused_draft_are_left_unmasked(compiler, tokenizer):
+    matchers = GrammarMatchers(compiler, max_num_reqs=1, num_speculative_tokens=3)
+    matchers.add_request("r", StructuredOutputsParams(regex="[0-9]{3}"), [EOS])
+    drafts = _encode(tokenizer, "1") + _encode(tokenizer, "x") + _encode(tokenizer, "2")
+    logits = torch.zeros(4, VOCAB)
+    matchers.apply_bitmask_with_drafts(logits, {"r": 0}, np.array([0]), {"r": drafts})
+    assert drafts[1] not in _allowed(logits[1])  # the refused draft has probability 0
+    assert _allowed(logits[2]) == _allowed(logits[3]) == list(range(VOCAB))
+
+
+def test_proposed_drafts_are_cut_at_the_first_token_the_grammar_refuses(compiler, tokenizer):
+    matchers = GrammarMatchers(compiler, max_num_reqs=2)
+    matchers.add_request("r", StructuredOutputsParams(choice=["yes", "no"]), [EOS])
+    yes = _encode(tokenizer, "yes")
+    drafts = [[5, 6, 7], [*yes, EOS, 9]]
+    matchers.cut_drafts({"free": 0, "r": 1}, drafts)
+    assert drafts == [[5, 6, 7], [*yes, EOS]]  # nothing follows the grammar's end
+    assert matchers.accept_tokens("r", _encode(tokenizer, "no")) > 0  # not advanced

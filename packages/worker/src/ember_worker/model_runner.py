@@ -68,8 +68,9 @@ class ModelRunner:
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
         self.pooler = Pooler(loaded.config.hidden_size, getattr(self.model, "score", None))
+        k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.grammar_matchers = (
-            None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs)
+            None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs, k)
         )
         self.spec_decoder = (
             None

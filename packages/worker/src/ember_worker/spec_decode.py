@@ -6,7 +6,10 @@ distribution (the row's temperature, min-p, top-k and top-p, or a one-hot argmax
 rows), so the emitted tokens follow exactly what the sampler alone would draw. Rows without
 drafts in the same batch are sampled by the ordinary ``Sampler``.
 
-Requests with structured outputs are constrained by their grammar's bitmask and get no drafts.
+Requests with structured outputs speculate too: their drafts are cut at the first token their
+grammar refuses, and each verified position's logits are masked with the grammar's state after
+the drafts before it (``GrammarMatchers.apply_bitmask_with_drafts``); the matchers then advance
+on the accepted tokens only.
 Drafts come from prompt lookup (``NgramProposer``, run here on the batch's token rows after
 sampling) or from a draft model (``DraftModelProposer``). Rows with penalties or still below
 ``min_tokens`` get no drafts: their distribution at a draft
@@ -112,9 +115,14 @@ class SpeculativeDecoder:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         layout = DraftLayout.build(batch, spec_decode_tokens, query_start_loc, self.k)
         logits = model.compute_logits(hidden_states[layout.logits_indices.to(hidden_states.device)])
-        last_logits = logits[layout.last_index]
         if grammar_matchers:
-            grammar_matchers.apply_bitmask(last_logits, batch.req_id_to_index)
+            grammar_matchers.apply_bitmask_with_drafts(
+                logits,
+                batch.req_id_to_index,
+                layout.last_index - layout.num_drafts,
+                spec_decode_tokens,
+            )
+        last_logits = logits[layout.last_index]
         sampler_output = sampler(last_logits, build_sampling_metadata(batch))
         computed = batch.num_computed_tokens[:n]
         reached_end = (computed + num_scheduled >= batch.num_tokens_no_spec[:n]) & (
@@ -176,22 +184,21 @@ class SpeculativeDecoder:
         n = batch.num_reqs
         lengths = batch.num_tokens_no_spec[:n].astype(np.int64)
         got = np.fromiter((bool(t) for t in new_tokens), dtype=bool, count=n)
-        lengths = np.where(got & self._may_speculate(grammar_matchers), lengths, 0)
+        lengths = np.where(got & self._may_speculate(), lengths, 0)
         if self.draft_model is not None:
-            return self.draft_model.propose(np.flatnonzero(lengths)).to_lists()
-        if not lengths.any():
+            drafts = self.draft_model.propose(np.flatnonzero(lengths)).to_lists()
+        elif lengths.any():
+            drafts = self.ngram.propose(batch.token_ids_cpu[:n], lengths).to_lists()
+        else:
             return [[] for _ in range(n)]
-        return self.ngram.propose(batch.token_ids_cpu[:n], lengths).to_lists()
+        if grammar_matchers:
+            grammar_matchers.cut_drafts(batch.req_id_to_index, drafts)
+        return drafts
 
-    def _may_speculate(self, grammar_matchers: GrammarMatchers | None) -> np.ndarray:
-        batch = self.batch
-        state = batch.rows[: batch.num_reqs]
-        free = np.ones(batch.num_reqs, dtype=bool)
-        if grammar_matchers:  # a constrained row's drafts would bypass its grammar
-            free[[batch.req_id_to_index[r] for r in batch.req_ids if r in grammar_matchers]] = False
+    def _may_speculate(self) -> np.ndarray:
+        state = self.batch.rows[: self.batch.num_reqs]
         return (
-            free
-            & (state["presence_penalty"] == 0.0)
+            (state["presence_penalty"] == 0.0)
             & (state["frequency_penalty"] == 0.0)
             & (state["repetition_penalty"] == 1.0)
             & (state["num_tokens_no_spec"] - state["num_prompt_tokens"] >= state["min_tokens"])

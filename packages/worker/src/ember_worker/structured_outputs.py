@@ -5,7 +5,9 @@ tokenizer info once per model (in its thread pool, while the model loads) and co
 that pool, caching the futures by spec. ``GrammarMatchers`` keeps one matcher per constrained
 request of the model runner's batch: per step it fills the token bitmask of the constrained rows
 only, applies it to those rows' logits in one call, and advances the matchers on the sampled
-tokens. ``rollback`` undoes accepted tokens (rejected speculative drafts).
+tokens. With speculative decoding, ``apply_bitmask_with_drafts`` masks every verified position of
+a drafted row by advancing its matcher through the drafts and rolling it back, and
+``cut_drafts`` cuts proposed drafts at the first token the grammar refuses.
 
 A matcher's end tokens are the request's EOS and stop token ids: the mask allows them only where
 the grammar may end, and allows nothing else once it must end, so a grammar that reaches its end
@@ -24,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -133,12 +136,17 @@ def _make_compiler(tokenizer_path: str, vocab_size: int) -> xgr.GrammarCompiler:
 
 
 class GrammarMatchers:
-    """One xgrammar matcher per constrained request of a batch, and the batch's token bitmask."""
+    """One xgrammar matcher per constrained request of a batch, and the batch's token bitmask
+    (one row per logits row: ``1 + num_speculative_tokens`` per request)."""
 
-    def __init__(self, compiler: XGrammarCompiler, max_num_reqs: int) -> None:
+    def __init__(
+        self, compiler: XGrammarCompiler, max_num_reqs: int, num_speculative_tokens: int = 0
+    ) -> None:
         self.compiler = compiler
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
-        self._bitmask = xgr.allocate_token_bitmask(max_num_reqs, compiler.vocab_size)
+        self._bitmask = xgr.allocate_token_bitmask(
+            max_num_reqs * (1 + num_speculative_tokens), compiler.vocab_size
+        )
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def __bool__(self) -> bool:
@@ -175,12 +183,54 @@ class GrammarMatchers:
             logits, bitmask[: logits.shape[0]].to(logits.device, non_blocking=True), indices=rows
         )
 
+    def apply_bitmask_with_drafts(
+        self,
+        logits: torch.Tensor,
+        req_id_to_index: dict[str, int],
+        first_rows: np.ndarray,
+        drafts: dict[str, Sequence[int]],
+    ) -> None:
+        """Mask, in place, the logit rows of the constrained requests at every verified
+        position: ``first_rows[req_id_to_index[req_id]]`` is the row that predicts the
+        request's first draft, and the row ``j`` after it gets the mask after its first ``j``
+        drafts. The matchers advance through the drafts tentatively and roll back; rows after a
+        draft the grammar refuses (or after the grammar's end) are left as they are: that draft
+        has probability 0, so it and all after it are rejected."""
+        if not self._matchers:
+            return
+        bitmask = self._bitmask
+        rows = []
+        for req_id, matcher in self._matchers.items():
+            row = int(first_rows[req_id_to_index[req_id]])
+            advanced = 0
+            for token in (*drafts.get(req_id, ()), None):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + advanced)
+                rows.append(row + advanced)
+                if token is None or not matcher.accept_token(token):
+                    break
+                advanced += 1
+            self.rollback(req_id, advanced)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask[: logits.shape[0]].to(logits.device, non_blocking=True), indices=rows
+        )
+
+    def cut_drafts(self, req_id_to_index: dict[str, int], drafts: list[list[int]]) -> None:
+        """Cut, in place, each constrained request's proposed drafts (``drafts[row]``) at the
+        first token its grammar refuses; the matchers are left as they were."""
+        for req_id in self._matchers:
+            row = req_id_to_index[req_id]
+            accepted = self.accept_tokens(req_id, drafts[row])
+            self.rollback(req_id, accepted)
+            del drafts[row][accepted:]
+
     def accept_tokens(self, req_id: str, token_ids: Sequence[int]) -> int:
         """Advance ``req_id``'s matcher over ``token_ids``; returns how many it accepted (it
-        stops at the first token its grammar rejects)."""
+        stops at the first token its grammar rejects, or once the grammar has ended)."""
         matcher = self._matchers[req_id]
         for count, token in enumerate(token_ids):
-            if not matcher.accept_token(token):
+            if matcher.is_terminated() or not matcher.accept_token(token):
                 return count
         return len(token_ids)
 
