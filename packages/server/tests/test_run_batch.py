@@ -66,7 +66,10 @@ def test_a_mixed_batch_gives_one_result_per_line_in_order(tiny_model, tmp_path):
     llm.shutdown()
 
 
-def test_an_unreadable_input_or_unwritable_output_fails_before_the_engine_starts(tmp_path):
+def test_an_unreadable_input_or_unwritable_output_fails_before_the_engine_starts(
+    tiny_model, tmp_path
+):
+    model = str(tiny_model("llama"))  # a real folder: the model check passes, the file check fails
     requests = tmp_path / "requests.jsonl"
     requests.write_text(_line("a", "/v1/completions", {"prompt": "x"}) + "\n")
     for input_path, output_path in (
@@ -74,4 +77,4 @@ def test_an_unreadable_input_or_unwritable_output_fails_before_the_engine_starts
         (requests, tmp_path / "no-such-dir" / "out.jsonl"),
     ):
         with pytest.raises(SystemExit, match="ember run-batch: error: cannot open"):
-            main(["run-batch", "-i", str(input_path), "-o", str(output_path), "/no/model"])
+            main(["run-batch", "-i", str(input_path), "-o", str(output_path), model])
