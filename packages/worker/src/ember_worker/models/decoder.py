@@ -315,7 +315,9 @@ class DecoderForCausalLM(nn.Module):
                 return name
             tied_head = self.config.tie_word_embeddings and self.lm_head is not None
             return name.replace("model.embed_tokens.", "lm_head.") if tied_head else None
-        if name.startswith(("model.norm.", "lm_head.")) and self.lm_head is None:
+        if name.startswith("model.norm.") and self.model.norm is None:
+            return None
+        if name.startswith("lm_head.") and self.lm_head is None:
             return None
         return name
 
@@ -362,7 +364,7 @@ class DecoderForSequenceClassification(DecoderForCausalLM):
         if not config.num_labels:
             raise ValueError("DecoderForSequenceClassification needs config.num_labels")
         super().__init__(config, tp=tp, pp=pp, dtype=dtype)
-        del self.lm_head
+        self.lm_head = None  # the pooler scores hidden states with ``score`` instead
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
         self.score.weight.requires_grad_(False)
 
