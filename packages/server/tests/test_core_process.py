@@ -67,25 +67,26 @@ def test_a_refused_request_fails_alone_and_a_failing_loop_reports_its_error(mode
         engine = await AsyncLLM.start(EngineArgs(model=model_path, kv_cache_memory=4 * 1024**2))
         try:
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            (client,) = engine.clients  # one engine core
             stream = engine.generate("def foo(", params, "victim")
             await anext(stream)
             # Past the front end's checks, straight to the engine: a token id the model lacks is
             # refused when admitted (it used to fail the worker's step, and so every request).
             bad = EngineCoreRequest("bad", [1, 10**7], SamplingParams(max_tokens=1))
-            await engine.client.add_requests([bad])
+            await client.add_requests([bad])
             received = 0
             while received < 50:
                 received += len((await anext(stream)).outputs[0].token_ids)
-            assert not engine.errored and engine.client.is_alive()
+            assert not engine.errored and client.is_alive()
             # A message the engine core cannot read (abort ids that are not strings: a front-end
             # bug) ends its loop: the error is reported and every request fails.
-            await engine.client.abort_requests([1])
+            await client.abort_requests([1])
             with pytest.raises(EngineDeadError, match="engine core failed"):
                 async for _ in stream:
                     pass
             assert engine.errored
-            await asyncio.wait_for(_until(lambda: not engine.client.is_alive()), timeout=10)
-            assert engine.client.exit_code == 1
+            await asyncio.wait_for(_until(lambda: not client.is_alive()), timeout=10)
+            assert client.exit_code == 1
         finally:
             await engine.shutdown()
 
