@@ -52,19 +52,23 @@ def make_engine_core(
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     num_threads = args.num_threads or default_num_threads(front_end_alongside=front_end_alongside)
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    # What every executor takes alike, in process or per rank.
+    model_settings = dict(
+        tokenizer=model_config.tokenizer,
+        dtype=args.dtype,
+        max_model_len=model_config.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=model_config.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=kv_cache_memory,
+        seed=args.seed,
+    )
     if parallel.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        executor = _rank_executor(args, model_config, kv_cache_memory, num_threads, parallel)
+        executor = _rank_executor(args, model_settings, num_threads, parallel)
     else:
         executor = InProcessExecutor(
             args.model,
-            tokenizer=model_config.tokenizer,
-            dtype=args.dtype,
-            max_model_len=model_config.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=model_config.max_num_batched_tokens,
-            block_size=args.block_size,
-            kv_cache_memory=kv_cache_memory,
-            seed=args.seed,
+            **model_settings,
             num_threads=num_threads,
             kv_transfer_config=args.kv_transfer,
             speculative_config=args.speculative_config,
@@ -125,7 +129,7 @@ def fit_max_model_len(
     return dataclasses.replace(model_config, max_model_len=capacity)
 
 
-def _rank_executor(args, model_config, kv_cache_memory, num_threads, parallel):
+def _rank_executor(args, model_settings, num_threads, parallel):
     """The multiprocess or Ray executor (``distributed_executor_backend``) for several ranks."""
     from ember_worker.distributed.worker import WorkerConfig
     from ember_worker.executor_factory import make_executor
@@ -137,14 +141,7 @@ def _rank_executor(args, model_config, kv_cache_memory, num_threads, parallel):
         )
     worker_config = WorkerConfig(
         args.model,
-        tokenizer=model_config.tokenizer,
-        dtype=args.dtype,
-        max_model_len=model_config.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=model_config.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory=kv_cache_memory,
-        seed=args.seed,
+        **model_settings,
         num_threads=max(1, num_threads // parallel.world_size),
         parallel=parallel,
     )
