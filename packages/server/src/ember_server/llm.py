@@ -123,17 +123,9 @@ class LLM:
             request_id = str(next(self._request_counter))
             requests.append(self.input_processor.make_pooling_request(request_id, ids, params))
         order = {request.request_id: i for i, request in enumerate(requests)}
-        results: list[PoolingRequestOutput | None] = [None] * len(requests)
         for request in requests:
             self.output_processor.add_pooling_request(request)
-        try:
-            for request in requests:
-                self.engine_core.add_request(request)
-            self._run_engine(order, results, use_tqdm)
-        except BaseException:
-            self._abort_unfinished(order)
-            raise
-        return results
+        return self._submit_and_run(order, requests, use_tqdm)
 
     def embed(
         self,
@@ -199,11 +191,16 @@ class LLM:
                 request_id, text, params, engine_requests, RequestOutputKind.FINAL_ONLY
             )
             order[request_id] = i
-        results: list[RequestOutput | None] = [None] * len(batch)
+        requests = [request for *_, engine_requests in batch for request in engine_requests]
+        return self._submit_and_run(order, requests, use_tqdm)
+
+    def _submit_and_run(self, order: dict[str, int], requests: list, use_tqdm: bool) -> list:
+        """Add the engine requests, step until every front-end request in ``order`` finished,
+        and return their outputs in ``order``; on any exception, abort the unfinished ones."""
+        results = [None] * len(order)
         try:
-            for *_, engine_requests in batch:
-                for request in engine_requests:
-                    self.engine_core.add_request(request)
+            for request in requests:
+                self.engine_core.add_request(request)
             self._run_engine(order, results, use_tqdm)
         except BaseException:
             self._abort_unfinished(order)
