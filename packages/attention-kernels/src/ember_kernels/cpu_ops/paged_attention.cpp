@@ -61,6 +61,20 @@ inline float hsum(vf v) {
   return v[0];
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// Largest lane, by halving as hsum.
+inline float hmax(vf v) {
+#if defined(__AVX512F__)
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+  return v[0];
+}
 
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative error
 // about 1e-7); exactly 0 below -87 (and for -inf, the masked scores).
@@ -129,10 +143,11 @@ void chunk_rows(
     const Params& p, const T* cache, const int32_t* blocks, int64_t kv_head, int64_t k0, int64_t n,
     std::vector<float>& conv, const float** rows) {
   const int64_t D = p.head_size;
+  int64_t page = k0 / p.block_size, slot = k0 % p.block_size;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t key = k0 + j;
-    const T* src = cache + blocks[key / p.block_size] * p.cache_stride_block +
-                   (key % p.block_size) * p.cache_stride_slot + kv_head * D;
+    const T* src =
+        cache + blocks[page] * p.cache_stride_block + slot * p.cache_stride_slot + kv_head * D;
+    if (++slot == p.block_size) slot = 0, ++page;
     if constexpr (std::is_same_v<T, float>) {
       rows[j] = src;
     } else {
@@ -354,17 +369,24 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
         }
       }
     }
+    // Only a chunk that reaches past a row's position or before its window needs a mask (a
+    // decode row sees every key up to its own).
+    const bool masked = k0 + n - 1 > first_pos || (p.window && k0 <= last_pos - p.window);
     for (int64_t r = 0; r < M; ++r) {
-      const int64_t pos = first_pos + r / G;
-      for (int64_t j = 0; j < n; ++j) {
-        float dot = s[r * CHUNK + j];
-        if (p.soft_cap > 0.f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
-        const int64_t key = k0 + j;
-        const bool hidden = key > pos || (p.window && key <= pos - p.window);
-        s[r * CHUNK + j] = hidden ? NEG_INF : dot;
+      float* sr = s + r * CHUNK;
+      if (p.soft_cap > 0.f) soft_cap_scores(sr, n, p.soft_cap);
+      if (masked) {
+        const int64_t pos = first_pos + r / G;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = k0 + j;
+          if (key > pos || (p.window && key <= pos - p.window)) sr[j] = NEG_INF;
+        }
       }
-      float mx = w.m[r];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[r * CHUNK + j]);
+      vf vmx = splat(w.m[r]);
+      int64_t jm = 0;
+      for (; jm + VW <= n; jm += VW) vmx = vmax(vmx, load(sr + jm));
+      float mx = hmax(vmx);
+      for (; jm < n; ++jm) mx = std::max(mx, sr[jm]);
       const float m_use = mx == NEG_INF ? 0.f : mx;
       const float alpha = exp_nonpositive(w.m[r] - m_use);
       float sum = 0.f;
@@ -382,7 +404,9 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
       }
       w.l[r] = w.l[r] * alpha + sum;
       w.m[r] = mx;
-      for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
+      if (alpha != 1.f) {
+        for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
+      }
     }
     // o[r] += sum_j s[r][j] * v_j: two rows by four vectors of head dims held in registers over
     // the chunk (a tail repeats its last row or vector and stores it once more, unchanged).
