@@ -7,8 +7,10 @@ In one run, on the same model and engine settings:
    of a first request;
 3. ``ember bench serve``'s sweep at concurrency 1, 16 and 64 against that server.
 
-It prints each level's output tokens/s as a ratio to the offline baseline (the server's
-efficiency: HTTP, SSE, tokenization and the process hop cost what is lost), TTFT and ITL. Timings
+It prints each level's output tokens/s as a ratio to the offline baseline (the server-to-offline
+efficiency: HTTP, SSE, detokenization and the process hop cost what is lost), TTFT and ITL, and the
+CPU seconds each process spent on the level (API server, engine core, and this benchmark's client,
+which shares the cores), also per output token: the API server's figure is the front end's cost. Timings
 on a shared machine are noisy; the ratios are what to compare.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pathlib
 import signal
@@ -70,12 +73,12 @@ def _start_server(port: int) -> tuple[subprocess.Popen, float]:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
+    """User + system CPU time of a process so far, all its threads (Linux /proc)."""
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _child_pids(pid: int) -> list[int]:
+def _children(pid: int) -> list[int]:
     children = []
     for status in pathlib.Path("/proc").glob("[0-9]*/status"):
         try:
@@ -84,6 +87,16 @@ def _child_pids(pid: int) -> list[int]:
         except OSError:
             continue
     return children
+
+
+def _engine_core_pid(server_pid: int) -> int:
+    """The engine core process among the server's children, found by its command line (the
+    server may have other children, e.g. a compiler building the attention kernel)."""
+    for pid in _children(server_pid):
+        with contextlib.suppress(OSError):
+            if b"ember_server.core_process" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise RuntimeError(f"ember serve (pid {server_pid}) has no engine core process")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -109,6 +122,10 @@ async def _sweep(base_url: str, input_len: int, output_len: int, pids: dict) -> 
             before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
             run = await bench_serve.run_level(base_url, model, prompts, output_len, concurrency)
             run["cpu_s"] = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+            run["cpu_ms_per_token"] = {
+                name: 1e3 * seconds / max(run["output_tokens"], 1)
+                for name, seconds in run["cpu_s"].items()
+            }
             runs.append(run)
         levels.append(max(runs, key=lambda run: run["output_throughput"]))
     return levels
@@ -141,8 +158,13 @@ def main() -> int:
     process, startup_s = _start_server(port)
     try:
         print(f"start-up (command to first streamed token): {startup_s:.1f} s")
-        # Where the CPU goes: the API server (HTTP, SSE, detokenizing) vs the engine core.
-        pids = {"api_server": process.pid, "engine_core": _child_pids(process.pid)[0]}
+        # Where the CPU goes: the API server (HTTP, SSE, detokenizing), the engine core, and this
+        # benchmark's own client (it shares the machine's cores with both).
+        pids = {
+            "api_server": process.pid,
+            "engine_core": _engine_core_pid(process.pid),
+            "client": os.getpid(),
+        }
         levels = asyncio.run(
             _sweep(f"http://127.0.0.1:{port}", args.input_len, args.output_len, pids)
         )
@@ -150,19 +172,21 @@ def main() -> int:
         _stop(process)
 
     print(
-        f"{'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'vs offline':>10} "
+        f"{'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'served/offline':>14} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'failed':>6} "
-        f"{'CPU s: api / engine':>20}"
+        f"{'CPU s: api / engine / client':>29} {'CPU ms/token: api / engine':>27}"
     )
     for level in levels:
         level["ratio_to_offline"] = level["output_throughput"] / baseline
+        cpu, per_token = level["cpu_s"], level["cpu_ms_per_token"]
         print(
             f"{level['concurrency']:>5} {level['num_requests']:>5} "
             f"{level['request_throughput']:>7.2f} {level['output_throughput']:>10.1f} "
-            f"{level['ratio_to_offline']:>9.2f}x {level['ttft']['p50_ms']:>7.0f}ms "
+            f"{level['ratio_to_offline']:>13.2f}x {level['ttft']['p50_ms']:>7.0f}ms "
             f"{level['ttft']['p99_ms']:>7.0f}ms {level['itl']['p50_ms']:>6.0f}ms "
             f"{level['itl']['p99_ms']:>6.0f}ms {level['failed']:>6} "
-            f"{level['cpu_s']['api_server']:>11.2f} / {level['cpu_s']['engine_core']:.2f}"
+            f"{cpu['api_server']:>13.2f} / {cpu['engine_core']:5.2f} / {cpu['client']:5.2f} "
+            f"{per_token['api_server']:>18.3f} / {per_token['engine_core']:.3f}"
         )
     results = dict(offline=offline, startup_s=startup_s, levels=levels)
     write_json(args.output_json, results)

@@ -8,10 +8,12 @@ get the same KV cache size. For each model (the issue's tiny Llama: vocabulary 8
 - offline, 64 prompts of 64 tokens -> 128 tokens each, output tokens/s;
 - offline, 64 prompts of 16-512 tokens -> 16-256 tokens each, output tokens/s;
 - served (OpenAI completions, streamed), 64 -> 128 tokens at concurrency 1, 16 and 64: out tok/s;
-- served, one 1,500-token prompt's time to first token: cold, then again with its prefix cached.
+- served, the mixed workload at concurrency 64: out tok/s and time-to-first-token p99;
+- served, one 1,500-token prompt's time to first token: cold, then again with its prefix cached;
+- ready time: from launching the server to the first 200 from ``/v1/models``.
 
 and prints each figure for both engines with the Ember / vLLM ratio (time-to-first-token ratios
-are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
+and times are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
 processes (``offline`` subcommand) started with each engine's interpreter; everything here at
 module level is standard library, so vLLM's interpreter can run this file too.
 
@@ -140,20 +142,24 @@ def start_server(python: str, engine: str, model: str, port: int) -> subprocess.
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def wait_ready(process: subprocess.Popen, base_url: str, timeout_s: float = 600) -> None:
+async def wait_ready(
+    process: subprocess.Popen, base_url: str, started: float, timeout_s: float = 600
+) -> float:
+    """Seconds from ``started`` (``time.perf_counter()`` at launch) to the first 200 from
+    ``/v1/models``, polled every 50 ms."""
     import httpx
 
-    deadline = time.perf_counter() + timeout_s
+    deadline = started + timeout_s
     async with httpx.AsyncClient(timeout=5) as client:
         while time.perf_counter() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with code {process.returncode}")
             try:
                 if (await client.get(f"{base_url}/v1/models")).status_code == 200:
-                    return
+                    return time.perf_counter() - started
             except httpx.HTTPError:
                 pass
-            await asyncio.sleep(1)
+            await asyncio.sleep(0.05)
     raise RuntimeError(f"server at {base_url} not ready after {timeout_s} s")
 
 
@@ -190,6 +196,12 @@ async def served(base_url: str) -> dict:
         if level["failed"]:
             raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
         results[f"conc{concurrency}"] = level["output_throughput"]
+    prompts, outs = workload("mixed")
+    level = await run_level(base_url, model, prompts, outs, 64)
+    if level["failed"]:
+        raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
+    results["mixed_conc64"] = level["output_throughput"]
+    results["mixed_conc64_ttft_p99_ms"] = level["ttft"]["p99_ms"]
     rng = random.Random("long")
     cold, cached = [], []
     for _ in range(TTFT_PROMPTS):
@@ -203,11 +215,12 @@ async def served(base_url: str) -> dict:
 
 def run_served(python: str, engine: str, model: str) -> dict:
     port = _free_port()
+    started = time.perf_counter()
     process = start_server(python, engine, model, port)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(wait_ready(process, base_url))
-        return asyncio.run(served(base_url))
+        ready_s = asyncio.run(wait_ready(process, base_url, started))
+        return {"ready_s": ready_s, **asyncio.run(served(base_url))}
     finally:
         process.terminate()
         try:
@@ -222,8 +235,11 @@ ROWS = [
     ("offline fixed 64->128, out tok/s", "fixed", False),
     ("offline mixed 16-512->16-256, out tok/s", "mixed", False),
     *[(f"served conc {c}, out tok/s", f"conc{c}", False) for c in CONCURRENCY],
+    ("served mixed conc 64, out tok/s", "mixed_conc64", False),
+    ("served mixed conc 64, TTFT p99 ms", "mixed_conc64_ttft_p99_ms", True),
     ("1,500-token TTFT cold, ms", "ttft_cold_ms", True),
     ("1,500-token TTFT prefix-cached, ms", "ttft_cached_ms", True),
+    ("ready (launch to /v1/models 200), s", "ready_s", True),
 ]
 
 

@@ -92,23 +92,28 @@ async def run_level(
     base_url: str,
     model: str,
     prompts: list[list[int]],
-    output_len: int,
+    output_len: int | list[int],
     concurrency: int,
     api_key: str | None = None,
 ) -> dict:
-    """Send every prompt with at most ``concurrency`` in flight; the level's summary."""
+    """Send every prompt with at most ``concurrency`` in flight; the level's summary.
+
+    ``output_len`` is every request's ``max_tokens``, or one per prompt (a mixed workload)."""
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    max_tokens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
+    if len(max_tokens) != len(prompts):
+        raise ValueError(f"{len(max_tokens)} output lengths for {len(prompts)} prompts")
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
 
-        async def one(prompt: list[int]) -> RequestResult:
+        async def one(prompt: list[int], max_tokens: int) -> RequestResult:
             body = dict(
                 model=model,
                 prompt=prompt,
-                max_tokens=output_len,
+                max_tokens=max_tokens,
                 temperature=0.0,
                 ignore_eos=True,
                 stream=True,
@@ -118,7 +123,7 @@ async def run_level(
                 return await _stream_one(client, url, body, headers)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
+        results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens)))
         duration = time.perf_counter() - start
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
