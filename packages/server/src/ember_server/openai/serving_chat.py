@@ -23,7 +23,7 @@ from ember_server.openai.protocol import (
     random_id,
 )
 from ember_server.openai.serving import OpenAIServing
-from ember_server.openai.sse import DONE, MEDIA_TYPE, sse_event
+from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, content_choice, sse_event
 from ember_server.openai.streams import ClientDisconnected, until_disconnect
 from ember_server.openai.tool_calls import (
     TOOL_CALL_PARSERS,
@@ -159,22 +159,13 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens: int,
         outputs: AsyncIterator[RequestOutput],
     ) -> AsyncIterator[str]:
-        created = int(time.time())
+        events = StreamEvents(
+            ChatCompletionStreamResponse, request_id, int(time.time()), self.model_name
+        )
+        chunk = events.chunk
         completion_tokens = 0
         finished: set[int] = set()
         continuous = request.include_usage and request.stream_options.continuous_usage_stats
-
-        def chunk(choices, usage=None) -> str:
-            return sse_event(
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=self.model_name,
-                    choices=choices,
-                    usage=usage,
-                )
-            )
-
         call_streams = {index: self._call_stream(request) for index in range(request.n)}
         try:
             for index in range(request.n):
@@ -190,8 +181,16 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if output.finish_reason is not None:
                         finished.add(output.index)
-                    pieces = _stream_pieces(call_streams[output.index], output, wants_logprobs)
                     usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+                    call_stream = call_streams[output.index]
+                    if call_stream is None and not request.logprobs:  # the per-token hot path
+                        stop_reason = output.stop_reason if output.finish_reason else None
+                        choice = content_choice(
+                            output.index, output.text, output.finish_reason, stop_reason
+                        )
+                        yield chunk([choice], usage)
+                        continue
+                    pieces = _stream_pieces(call_stream, output, wants_logprobs)
                     for i, (message, finish_reason) in enumerate(pieces):
                         choice = ChatCompletionResponseStreamChoice(
                             index=output.index,

@@ -22,7 +22,7 @@ from ember_server.openai.protocol import (
     random_id,
 )
 from ember_server.openai.serving import OpenAIServing
-from ember_server.openai.sse import DONE, MEDIA_TYPE, sse_event
+from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, sse_event, text_choice
 from ember_server.openai.streams import ClientDisconnected, merge_async_iterators, until_disconnect
 from ember_server.outputs import RequestOutput
 
@@ -127,7 +127,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts: list[_Prompt],
         streams: list[AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[str]:
-        created = int(time.time())
+        events = StreamEvents(
+            CompletionStreamResponse, request_id, int(time.time()), self.model_name
+        )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = 0
         text_offsets: dict[int, int] = {}
@@ -148,8 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     wants_logprobs = request.logprobs is not None and output.token_ids
                     if not (text or output.finish_reason or wants_logprobs):
                         continue
-                    logprobs = None
-                    if request.logprobs is not None:
+                    if request.logprobs is None:
+                        choice = text_choice(index, text, output.finish_reason, output.stop_reason)
+                    else:
                         logprobs, text_offsets[index] = completion_logprobs(
                             output.token_ids,
                             output.logprobs or [],
@@ -157,38 +160,19 @@ class OpenAIServingCompletion(OpenAIServing):
                             text_offsets[index],
                             self.token_text,
                         )
+                        choice = CompletionResponseStreamChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=output.finish_reason,
+                            stop_reason=output.stop_reason,
+                        )
                     if output.finish_reason is not None:
                         finished.add(index)
-                    usage = None
-                    if continuous:
-                        usage = UsageInfo.of(prompt_tokens, completion_tokens)
-                    choice = CompletionResponseStreamChoice(
-                        index=index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=output.finish_reason,
-                        stop_reason=output.stop_reason,
-                    )
-                    yield sse_event(
-                        CompletionStreamResponse(
-                            id=request_id,
-                            created=created,
-                            model=self.model_name,
-                            choices=[choice],
-                            usage=usage,
-                        )
-                    )
+                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+                    yield events.chunk([choice], usage)
             if request.include_usage:
-                usage = UsageInfo.of(prompt_tokens, completion_tokens)
-                yield sse_event(
-                    CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=self.model_name,
-                        choices=[],
-                        usage=usage,
-                    )
-                )
+                yield events.chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as exc:
             error = self.engine_failure(exc)
             yield sse_event(error_body(error.message, error.status, error.param))
