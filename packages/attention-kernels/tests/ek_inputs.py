@@ -6,7 +6,18 @@ import math
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+from ember_kernels import cpu_ops
+
+# The compiled CPU kernels as a test backend (built once per CPU and cached; skipped without a
+# compiler, where the torch path serves).
+COMPILED = pytest.param(
+    cpu_ops,
+    id="compiled",
+    marks=pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here"),
+)
 
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ek_inputs import TOLERANCES, fresh_generator
+from ek_inputs import COMPILED, TOLERANCES, fresh_generator
 
 import ember_kernels as ek
-from ember_kernels import torch_ops, triton_ops
+from ember_kernels import cpu_ops, torch_ops, triton_ops
+from ember_kernels.cpu_ops import build
 from ember_kernels.reference import (
     reshape_and_cache_reference,
     rms_norm_reference,
@@ -15,7 +16,11 @@ from ember_kernels.reference import (
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS = {"torch": torch_ops, "triton": triton_ops}
+BACKENDS = [
+    pytest.param(torch_ops, id="torch"),
+    pytest.param(triton_ops, id="triton"),
+    COMPILED,
+]
 
 
 def assert_matches(actual, expected, dtype, seed):
@@ -30,7 +35,7 @@ def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).double()
 
 
-@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [64, 80, 1000])
 def test_rms_norm(backend, dtype, hidden):
@@ -43,7 +48,7 @@ def test_rms_norm(backend, dtype, hidden):
     assert_matches(out, expected, dtype, seed)
 
 
-@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_add_rms_norm(backend, dtype):
     gen, seed = fresh_generator()
@@ -58,7 +63,7 @@ def test_fused_add_rms_norm(backend, dtype):
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(backend, dtype):
     gen, seed = fresh_generator()
@@ -69,7 +74,7 @@ def test_silu_and_mul(backend, dtype):
     assert_matches(backend.silu_and_mul(x), silu_and_mul_reference(x.double()), dtype, seed)
 
 
-@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache_writes_only_mapped_slots(backend, dtype, block_size):
@@ -111,3 +116,30 @@ def test_norm_and_activation_reject_bad_shapes():
         ek.fused_add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"^x: "):
         ek.silu_and_mul(torch.zeros(2, 7))
+
+
+def test_without_a_compiler_the_fused_ops_run_the_torch_path(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(build, "_state", {})
+    gen, seed = fresh_generator()
+    x = torch.randn(6, 64, generator=gen)
+    residual = torch.randn(6, 64, generator=gen)
+    weight = torch.rand(64, generator=gen) + 0.5
+    assert not cpu_ops.available()
+    assert torch.equal(ek.rms_norm(x, weight, 1e-6), torch_ops.rms_norm(x, weight, 1e-6))
+    for got, want in zip(
+        ek.fused_add_rms_norm(x, residual, weight, 1e-6),
+        torch_ops.fused_add_rms_norm(x, residual, weight, 1e-6),
+    ):
+        assert torch.equal(got, want), f"seed {seed}"
+    assert torch.equal(ek.silu_and_mul(x), torch_ops.silu_and_mul(x))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_ops.rms_norm(x, weight, 1e-6)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+def test_compiled_rotary_rejects_positions_outside_the_cache():
+    rope = ek.RotaryEmbedding(64, 64, 16, 10000.0)
+    query = torch.randn(2, 2, 64)
+    with pytest.raises(ValueError, match="positions: position 16 of token 1"):
+        cpu_ops.rotary_embedding(torch.tensor([3, 16]), query, None, rope.cos_sin_cache, True)

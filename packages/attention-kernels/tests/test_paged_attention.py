@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from ek_inputs import TOLERANCES, random_paged_batch
+from ek_inputs import COMPILED, TOLERANCES, random_paged_batch
 
 import ember_kernels as ek
 from ember_kernels import cpu_ops, torch_ops, triton_ops
@@ -61,15 +61,8 @@ def check(
 WINDOW_AND_CAP = ((None, None), (37, None), (None, 30.0), (37, 30.0))
 
 
-# The two CPU paths: vectorized torch, and the compiled kernel (built once per CPU and cached).
-CPU_BACKENDS = [
-    pytest.param(torch_ops, id="torch"),
-    pytest.param(
-        cpu_ops,
-        id="compiled",
-        marks=pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here"),
-    ),
-]
+# The two CPU paths: vectorized torch, and the compiled kernel.
+CPU_BACKENDS = [pytest.param(torch_ops, id="torch"), COMPILED]
 
 
 # Every head size, block size and dtype; each runs two GQA ratios (alternating so that every

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ek_inputs import fresh_generator
+from ek_inputs import COMPILED, fresh_generator
 
 import ember_kernels as ek
 from ember_kernels import torch_ops, triton_ops
@@ -18,7 +18,11 @@ LLAMA3 = dict(
     original_max_position_embeddings=64,
 )
 SCALINGS = {"none": None, "linear": dict(type="linear", factor=4.0), "llama3": LLAMA3}
-BACKENDS = {"torch": torch_ops, "triton": triton_ops}
+BACKENDS = [
+    pytest.param(torch_ops, id="torch"),
+    pytest.param(triton_ops, id="triton"),
+    COMPILED,
+]
 MAX_POSITION = 2048
 
 
@@ -30,7 +34,7 @@ def angle_tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scaling", SCALINGS.values(), ids=SCALINGS.keys())
 @pytest.mark.parametrize("is_neox_style", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -1,9 +1,9 @@
 """The public kernel functions: each dispatches on its tensors' device.
 
 CUDA tensors run the Triton kernels (``ember_kernels.triton_ops``, imported on first use so that
-CPU-only users never import triton); other tensors run the vectorized torch paths
-(``ember_kernels.torch_ops``), except paged attention, which runs the compiled C++ kernel
-(``ember_kernels.cpu_ops``) where it could be built and the torch path otherwise.
+CPU-only users never import triton); CPU tensors of the dtypes the compiled C++ kernels take
+(``ember_kernels.cpu_ops``) run those where they could be built; other tensors run the
+vectorized torch paths (``ember_kernels.torch_ops``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ def _backend(t: torch.Tensor):
         from ember_kernels import triton_ops
 
         return triton_ops
+    if t.device.type == "cpu" and t.dtype in cpu_ops.DTYPES and cpu_ops.available():
+        return cpu_ops
     return torch_ops
 
 
@@ -62,10 +64,7 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are host-side upper bounds that spare the GPU path a
     device sync. Returns ``out`` (allocated when None) ``[num_tokens, num_q_heads, head_size]``.
     """
-    backend = _backend(query)
-    if backend is torch_ops and cpu_ops.available():
-        backend = cpu_ops
-    return backend.paged_attention(
+    return _backend(query).paged_attention(
         query,
         key_cache,
         value_cache,

@@ -1,7 +1,8 @@
 """Compiled C++ kernels for CPU tensors (built on first use, see ``build``).
 
-``available()`` says whether they could be built here; ``paged_attention`` takes the same
-arguments as ``ember_kernels.paged_attention`` and raises ``RuntimeError`` where they could not.
+``available()`` says whether they could be built here. Each function takes the same arguments as
+the ``ember_kernels`` function of its name, for float32, float16 and bfloat16 tensors (``DTYPES``),
+and raises ``RuntimeError`` where the kernels could not be built.
 """
 
 from __future__ import annotations
@@ -11,10 +12,120 @@ import torch
 from ember_kernels.cpu_ops.build import load_library
 from ember_kernels.validation import check_paged_attention_args
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def available() -> bool:
     """Whether the compiled CPU kernels work here (the first call builds or loads them)."""
     return load_library() is not None
+
+
+def _library():
+    library = load_library()
+    if library is None:
+        raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
+    return library
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last dim] with a contiguous last dim (a view where the strides allow)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim with float32 statistics (see ``ember_kernels.rms_norm``)."""
+    library = _library()
+    result = torch.empty(x.shape, dtype=x.dtype)
+    library.rms_norm(_rows(x), weight.contiguous(), eps, result.view(-1, x.shape[-1]))
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` as new tensors (inputs unchanged)."""
+    library = _library()
+    normed = torch.empty(x.shape, dtype=x.dtype)
+    total = torch.empty(x.shape, dtype=x.dtype)
+    size = x.shape[-1]
+    library.fused_add_rms_norm(
+        _rows(x),
+        _rows(residual),
+        weight.contiguous(),
+        eps,
+        normed.view(-1, size),
+        total.view(-1, size),
+    )
+    return normed, total
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2*d]``."""
+    library = _library()
+    d = x.shape[-1] // 2
+    result = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    library.silu_and_mul(_rows(x), result.view(-1, d))
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotated copies of ``query``/``key [num_tokens, heads, head_size]`` (inputs unchanged)."""
+    library = _library()
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    key = key if key is None or key.stride(-1) == 1 else key.contiguous()
+    query_out = torch.empty(query.shape, dtype=query.dtype)
+    key_out = None if key is None else torch.empty(key.shape, dtype=key.dtype)
+    library.rotary_embedding(
+        positions.to(torch.int64).contiguous(),
+        query,
+        key,
+        cos_sin_cache.to(query.dtype).contiguous(),
+        is_neox_style,
+        query_out,
+        key_out,
+    )
+    return query_out, key_out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` rows into the caches at ``slot_mapping`` (negative: skipped)."""
+    library = _library()
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key_cache/value_cache: expected contiguous caches")
+    library.reshape_and_cache(
+        _token_rows(key),
+        _token_rows(value),
+        key_cache,
+        value_cache,
+        slot_mapping.to(torch.int64).contiguous(),
+    )
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [num_tokens, heads, head_size]`` with each token's heads contiguous."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def paged_attention(
@@ -37,9 +148,7 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are accepted for signature parity; the kernel reads the
     lengths itself.
     """
-    library = load_library()
-    if library is None:
-        raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
+    library = _library()
     check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sliding_window, out
     )

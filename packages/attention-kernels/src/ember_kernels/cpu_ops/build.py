@@ -24,7 +24,9 @@ import torch
 
 logger = logging.getLogger("ember_kernels")
 
-SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+_HERE = pathlib.Path(__file__).parent
+SOURCES = [_HERE / name for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
+HEADERS = [_HERE / name for name in ("kernels.h", "vec.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -61,7 +63,7 @@ def _compiler_version() -> str:
 def _build_key() -> str:
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in SOURCES + HEADERS),
         " ".join(CFLAGS).encode(),
         torch.__version__.encode(),
         sys.version.encode(),
@@ -87,7 +89,7 @@ def _build(name: str, directory: pathlib.Path):
     logger.info("ember_kernels: compiling the CPU kernels into %s (once per CPU)", directory)
     return load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -110,7 +112,7 @@ def load_library():
         except Exception as exc:  # no compiler, a failed build or load: the torch path serves
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             logger.warning(
-                "ember_kernels: compiled CPU attention unavailable (%s); using the torch path",
+                "ember_kernels: compiled CPU kernels unavailable (%s); using the torch path",
                 reason,
             )
         _state["module"] = module

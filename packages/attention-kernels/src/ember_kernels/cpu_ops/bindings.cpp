@@ -1,0 +1,11 @@
+// The Python module of the compiled CPU kernels (see kernels.h).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over a paged KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "Residual add, then RMSNorm (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "Rotary embedding from a cos/sin cache (CPU)");
+  m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into paged caches (CPU)");
+}
