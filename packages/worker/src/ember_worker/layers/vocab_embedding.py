@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember_worker.layers.linear import empty_weight
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 
 
@@ -30,9 +31,11 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = -(-num_embeddings // tp.size)
         self.vocab_start = tp.rank * per_rank
         self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(per_rank, embedding_dim, dtype=dtype), requires_grad=False
-        )
+        self.weight = self._empty_table(per_rank, embedding_dim, dtype)
+
+    def _empty_table(self, rows: int, dim: int, dtype: torch.dtype | None) -> nn.Parameter:
+        """Row-major: a lookup reads whole rows."""
+        return nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -54,7 +57,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; each rank computes its slice of the logits."""
+    """Output projection to the vocabulary; each rank computes its slice of the logits.
+
+    Its weight is stored input-major as the linear layers' (``empty_weight``); a head tied to the
+    embedding takes the embedding's row-major table instead.
+    """
+
+    def _empty_table(self, rows: int, dim: int, dtype: torch.dtype | None) -> nn.Parameter:
+        return empty_weight(rows, dim, dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(F.linear(hidden_states, self.weight))
