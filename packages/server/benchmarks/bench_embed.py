@@ -31,7 +31,7 @@ import numpy as np
 
 from ember_server.bench.common import FIRST_PLAIN_TOKEN_ID, PROMPT_VOCAB_BOUND, write_json
 from ember_server.demo_model import demo_model_path
-from ember_server.engine_factory import default_num_threads
+from ember_server.engine_factory import default_step_threads
 
 REPEATS = 2
 CONCURRENCY = (1, 16, 64)
@@ -133,7 +133,7 @@ def main() -> int:
 
     from ember_server.llm import LLM
 
-    threads = default_num_threads(front_end_alongside=False)  # offline, as LLM below
+    threads = default_step_threads(front_end_alongside=False).prefill  # offline, as LLM below
     torch.set_num_threads(threads)
     model_path = demo_model_path()
     prompts = unequal_prompts(args.num_prompts, args.max_len)

@@ -214,22 +214,19 @@ def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
     llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    "cores,load,offline,served",
-    [({0, 1, 2, 3}, 0.2, 4, 3), ({0, 1, 2, 3}, 2.0, 2, 1), ({0, 1}, 12.0, 1, 1), ({5}, 0.0, 1, 1)],
-)
-def test_default_threads_take_the_idle_cores_less_one_for_a_served_front_end(
-    monkeypatch, cores, load, offline, served
+@pytest.mark.parametrize("cores,served_decode", [({0, 1, 2, 3}, 3), ({0, 1}, 1), ({5}, 1)])
+def test_default_threads_are_every_core_but_one_for_served_decode_whatever_the_load(
+    monkeypatch, cores, served_decode
 ):
     monkeypatch.setattr(engine_factory.os, "sched_getaffinity", lambda pid: cores)
-    monkeypatch.setattr(engine_factory.os, "cpu_count", lambda: len(cores))
-    monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (load, load, load))
-    assert engine_factory.default_num_threads(front_end_alongside=False) == offline
-    assert engine_factory.default_num_threads(front_end_alongside=True) == served
+    monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (12.0, 12.0, 12.0))
+    offline = engine_factory.default_step_threads(front_end_alongside=False)
+    served = engine_factory.default_step_threads(front_end_alongside=True)
+    assert (offline.prefill, offline.decode) == (len(cores), len(cores))
+    assert (served.prefill, served.decode) == (len(cores), served_decode)
 
 
-def test_offline_engine_takes_the_default_threads(llama_path, monkeypatch):
-    monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+def test_offline_engine_takes_the_default_threads(llama_path):
     before = torch.get_num_threads()
     try:
         engine = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=64, block_size=4)

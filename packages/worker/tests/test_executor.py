@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.executor import InProcessExecutor
+from ember_worker.step_threads import StepThreads
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
@@ -173,3 +176,30 @@ def test_execute_after_shutdown_is_refused(llama):
     executor.shutdown()
     with pytest.raises(RuntimeError, match="shutdown"):
         executor.execute_model(_step())
+
+
+def test_each_step_runs_with_the_threads_of_its_phase_in_the_thread_that_runs_it(llama):
+    # 2 threads for steps of 8 tokens or more, 1 below; the steps run in another Python thread,
+    # whose OpenMP thread count starts at the default, not at what this thread set.
+    executor = _executor(llama, num_threads=StepThreads(2, 1, prefill_min_tokens=8))
+    seen = []
+    forward = executor.model_runner.model.forward
+
+    def recording_forward(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    executor.model_runner.model.forward = recording_forward
+    prompt = list(range(10, 22))
+    new = NewRequestData("a", prompt, [], GREEDY, block_ids=[0, 1, 2, 3], num_computed_tokens=0)
+    steps = [_step(new=[new], scheduled={"a": 12})]
+    steps += [_step(cached=[("a", [], computed)], scheduled={"a": 1}) for computed in (12, 13)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for step in steps:
+            pool.submit(executor.execute_model, step).result()
+    assert seen == [2, 1, 1]
+
+
+def test_step_threads_must_be_positive():
+    with pytest.raises(ValueError, match="decode_num_threads"):
+        StepThreads(2, 0)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_server.engine_args import EngineArgs
 from ember_server.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from ember_worker.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -18,19 +22,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 
 
-def default_num_threads(*, front_end_alongside: bool) -> int:
-    """torch's intra-op threads when ``EngineArgs.num_threads`` is None: the cores this process
-    may use that other processes are not keeping busy (the 1-minute load average, scaled to
-    them), less one where a front end process runs alongside (``ember serve``), at least one.
+def default_step_threads(*, front_end_alongside: bool) -> StepThreads:
+    """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
+    process may run on, except that where a front end process shares the cores (``ember
+    serve``) steps with fewer than ``PREFILL_MIN_TOKENS`` scheduled tokens (decode) leave it one.
 
-    Measured on a 2-core machine: idle, two threads beat one offline by up to 39% (``LLM``'s front
-    end works between steps, in the same thread); with the cores already busy, two threads ran
-    many times slower than one, each barrier waiting for a descheduled thread.
+    Why, measured on a 2-core machine (issue 12; the package README has the figures): a
+    1,500-token prefill runs 1.7x faster on two threads than on one, and ``LLM`` has no other
+    process to share with; but the served front end streams and detokenizes while decode steps
+    run, and an OpenMP thread that loses its core to it stalls every barrier of the step. The
+    count is fixed at start-up, not read from the load average: a start-up during someone
+    else's burst must not leave the engine on one thread for its whole life.
     """
+    from ember_worker.step_threads import StepThreads
+
     cores = len(os.sched_getaffinity(0))
-    load = os.getloadavg()[0] / (os.cpu_count() or cores)
-    busy = round(cores * min(1.0, load))
-    return max(1, cores - busy - (1 if front_end_alongside else 0))
+    decode = max(1, cores - 1) if front_end_alongside else cores
+    return StepThreads(cores, decode)
 
 
 def make_engine_core(
@@ -38,7 +46,7 @@ def make_engine_core(
 ) -> tuple[EngineCore, ModelConfig]:
     """Load the model into an in-process executor and wrap it with a scheduler.
 
-    ``front_end_alongside``: a front end process shares the cores (see ``default_num_threads``).
+    ``front_end_alongside``: a front end process shares the cores (see ``default_step_threads``).
     Returns the engine core and the model config it runs with: ``max_model_len`` lowered to what
     the KV cache holds when it was not given (see ``fit_max_model_len``).
     """
@@ -46,11 +54,16 @@ def make_engine_core(
 
     from ember_worker.distributed.groups import ParallelConfig
     from ember_worker.executor import InProcessExecutor
+    from ember_worker.step_threads import StepThreads
 
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    num_threads = args.num_threads or default_num_threads(front_end_alongside=front_end_alongside)
+    step_threads = (
+        StepThreads(args.num_threads)
+        if args.num_threads
+        else default_step_threads(front_end_alongside=front_end_alongside)
+    )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
     # What every executor takes alike, in process or per rank.
     model_settings = dict(
@@ -64,12 +77,12 @@ def make_engine_core(
         seed=args.seed,
     )
     if parallel.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        executor = _rank_executor(args, model_settings, num_threads, parallel)
+        executor = _rank_executor(args, model_settings, step_threads.decode, parallel)
     else:
         executor = InProcessExecutor(
             args.model,
             **model_settings,
-            num_threads=num_threads,
+            num_threads=step_threads,
             kv_transfer_config=args.kv_transfer,
             speculative_config=args.speculative_config,
         )

@@ -13,6 +13,7 @@ from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
+from ember_worker.step_threads import StepThreads
 from ember_worker.structured_outputs import XGrammarCompiler
 
 
@@ -23,8 +24,9 @@ class InProcessExecutor:
     a GPU, ``gpu_memory_utilization`` of the memory left free by the model when it is None) and
     reports the block count as ``num_kv_blocks``. ``grammar_compiler`` compiles structured-output
     specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
-    ``num_threads`` sets torch's (process-wide)
-    intra-op thread count; None leaves it alone. Several ranks run in the multiprocess or Ray
+    ``num_threads`` sets torch's intra-op thread count: an int for every step, or a
+    ``StepThreads`` (one count for prefill-heavy steps, another for the rest); None leaves it
+    alone. Several ranks run in the multiprocess or Ray
     executors (``executor_factory.make_executor``). With ``kv_transfer_config`` the runner moves
     KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
     ``prefix_caching_hash_algo``'s chain hashes (the scheduler's).
@@ -44,7 +46,7 @@ class InProcessExecutor:
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         device: str | torch.device | None = None,
-        num_threads: int | None = None,
+        num_threads: int | StepThreads | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         prefix_caching_hash_algo: str = "sha256",
         speculative_config: SpeculativeConfig | None = None,
@@ -59,12 +61,11 @@ class InProcessExecutor:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if num_threads is not None:
-            # torch's intra-op threads are process-wide; on a small or shared CPU one thread is
-            # often fastest for a tiny model (thread wake-ups cost more than the matmuls).
-            if not isinstance(num_threads, int) or num_threads < 1:
-                raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-            torch.set_num_threads(num_threads)
+        step_threads = num_threads
+        if num_threads is not None and not isinstance(num_threads, StepThreads):
+            step_threads = StepThreads(num_threads)
+        if step_threads is not None:
+            torch.set_num_threads(step_threads.prefill)  # loading and warm-up
         torch.manual_seed(seed)
         loaded = load_model(model, dtype=dtype, device=self.device)
         limit = loaded.config.max_position_embeddings
@@ -91,6 +92,7 @@ class InProcessExecutor:
             device=self.device,
             grammar_compiler=self.grammar_compiler,
             speculative_config=speculative_config,
+            step_threads=step_threads,
         )
         budget = kv_cache_budget(self.device, kv_cache_memory, gpu_memory_utilization)
         self._num_kv_blocks = self.model_runner.num_kv_blocks_for(budget)

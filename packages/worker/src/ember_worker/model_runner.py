@@ -27,6 +27,7 @@ from ember_worker.pooler import Pooler
 from ember_worker.sampler import Sampler
 from ember_worker.sampling_metadata import build_sampling_metadata
 from ember_worker.spec_decode import SpeculativeDecoder, logprobs_per_token
+from ember_worker.step_threads import StepThreads
 from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
 
 
@@ -36,6 +37,8 @@ class ModelRunner:
     Under pipeline parallelism (``pp``) a stage other than the first receives the previous
     stage's activations, a stage other than the last sends its own on and takes the sampled
     tokens from the last stage, so that every stage's batch holds the same tokens.
+    ``step_threads`` sets torch's threads for each step by its scheduled tokens (None: leave
+    them alone).
     """
 
     def __init__(
@@ -50,8 +53,10 @@ class ModelRunner:
         grammar_compiler: XGrammarCompiler | None = None,
         speculative_config: SpeculativeConfig | None = None,
         pp: PipelineStage = SINGLE_STAGE,
+        step_threads: StepThreads | None = None,
     ) -> None:
         self.model = loaded.model
+        self.step_threads = step_threads
         self.device = device
         self.pp = pp
         if device.type == "cpu":
@@ -131,6 +136,8 @@ class ModelRunner:
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             num_scheduled[index[req_id]] = count
         batch.set_num_scheduled_tokens(num_scheduled, spec_decode_tokens)
+        if self.step_threads is not None:
+            self.step_threads.apply(scheduler_output.total_num_scheduled_tokens)
         inputs = self.input_buffers.prepare()
         metadata = _attention_metadata(inputs)
         hidden_states = self._forward(inputs, metadata)
