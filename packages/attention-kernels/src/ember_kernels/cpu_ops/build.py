@@ -99,6 +99,8 @@ def _build(name: str, directory: pathlib.Path):
 
 def load_library():
     """The compiled kernels' module, built if needed; None (logged once) where it cannot be."""
+    if "module" in _state:  # every kernel call asks: no lock once it is settled
+        return _state["module"]
     with _lock:
         if "module" in _state:
             return _state["module"]
