@@ -10,7 +10,10 @@ get the same KV cache size. For each model (the issue's tiny Llama: vocabulary 8
 - served (OpenAI completions, streamed), 64 -> 128 tokens at concurrency 1, 16 and 64: out tok/s;
 - served, the mixed workload at concurrency 64: out tok/s and time-to-first-token p99;
 - served, one 1,500-token prompt's time to first token: cold, then again with its prefix cached;
-- ready time: from launching the server to the first 200 from ``/v1/models``.
+- ready time: from launching the server to the first 200 from ``/v1/models``;
+- where a served token's CPU goes, at concurrency 64 on the fixed workload: CPU milliseconds per
+  output token of the API server process and of the processes it started (the engine core);
+- each engine's served-to-offline efficiency: served concurrency 64 / offline, fixed workload.
 
 and prints each figure for both engines with the Ember / vLLM ratio (time-to-first-token ratios
 and times are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
@@ -181,7 +184,50 @@ async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
     raise RuntimeError(f"{base_url}: the stream ended without a token")
 
 
-async def served(base_url: str) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``."""
+    found, parents = [], {pid}
+    while parents:
+        children = set()
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            if parent in parents:
+                children.add(int(name))
+        found += children
+        parents = children
+    return found
+
+
+class ProcessCPU:
+    """CPU seconds of a server's own process and of all the processes it started."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+
+    def sample(self) -> tuple[float, float]:
+        started = 0.0
+        for pid in _descendants(self.server_pid):
+            try:
+                started += _cpu_seconds(pid)
+            except OSError:  # a helper process that ended meanwhile
+                continue
+        return _cpu_seconds(self.server_pid), started
+
+
+async def served(base_url: str, cpu: ProcessCPU) -> dict:
     from ember_server.bench.serve import run_level, server_model
 
     model = await server_model(base_url, None)
@@ -190,12 +236,17 @@ async def served(base_url: str) -> dict:
     await run_level(base_url, model, warm[:16], 16, 16)
     results = {}
     for concurrency in CONCURRENCY:
+        before = cpu.sample()
         level = await run_level(
             base_url, model, prompts[: REQUESTS_PER_LEVEL[concurrency]], 128, concurrency
         )
+        after = cpu.sample()
         if level["failed"]:
             raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
         results[f"conc{concurrency}"] = level["output_throughput"]
+    api_s, engine_s = (b - a for a, b in zip(before, after))  # the concurrency-64 level
+    results["api_cpu_ms_per_token"] = 1e3 * api_s / level["output_tokens"]
+    results["engine_cpu_ms_per_token"] = 1e3 * engine_s / level["output_tokens"]
     prompts, outs = workload("mixed")
     level = await run_level(base_url, model, prompts, outs, 64)
     if level["failed"]:
@@ -220,7 +271,7 @@ def run_served(python: str, engine: str, model: str) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     try:
         ready_s = asyncio.run(wait_ready(process, base_url, started))
-        return {"ready_s": ready_s, **asyncio.run(served(base_url))}
+        return {"ready_s": ready_s, **asyncio.run(served(base_url, ProcessCPU(process.pid)))}
     finally:
         process.terminate()
         try:
@@ -240,6 +291,8 @@ ROWS = [
     ("1,500-token TTFT cold, ms", "ttft_cold_ms", True),
     ("1,500-token TTFT prefix-cached, ms", "ttft_cached_ms", True),
     ("ready (launch to /v1/models 200), s", "ready_s", True),
+    ("served conc 64: API server CPU ms/token", "api_cpu_ms_per_token", True),
+    ("served conc 64: engine CPU ms/token", "engine_cpu_ms_per_token", True),
 ]
 
 
@@ -261,7 +314,13 @@ def compare(vllm_python: str, models: list[str]) -> None:
             ratio = vllm / ember if lower_is_better else ember / vllm
             print(f"{label:44} {ember:9.1f} {vllm:9.1f} {ratio:6.2f}x")
         cached_share = figures["ember"]["ttft_cached_ms"] / figures["ember"]["ttft_cold_ms"]
-        print(f"Ember cached / cold TTFT: {cached_share:.0%}", flush=True)
+        print(f"Ember cached / cold TTFT: {cached_share:.0%}")
+        efficiency = {e: f["conc64"] / f["fixed"] for e, f in figures.items()}
+        print(
+            "served conc 64 / offline, fixed workload: "
+            f"Ember {efficiency['ember']:.2f}, vLLM {efficiency['vllm']:.2f}",
+            flush=True,
+        )
 
 
 def main() -> int:
