@@ -167,11 +167,15 @@ async def wait_ready(
 
 
 async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
-    """Milliseconds from sending a streamed completion to its first chunk with a token (its text
-    may be empty: random-weight models emit ids the test tokenizer renders as nothing)."""
+    """Milliseconds from sending a streamed completion of one token to its first chunk.
+
+    One token, so that its chunk carries the finish reason and every engine sends it: vLLM streams
+    a chunk for each new token, Ember only once the token has text (random-weight models emit ids
+    the test tokenizer renders as nothing) or ends the sequence, which with two tokens could time
+    the second one for Ember."""
     import httpx
 
-    body = dict(model=model, prompt=prompt, max_tokens=2, temperature=0.0, stream=True,
+    body = dict(model=model, prompt=prompt, max_tokens=1, temperature=0.0, stream=True,
                 ignore_eos=True)  # fmt: skip
     async with httpx.AsyncClient(timeout=None) as client:
         start = time.perf_counter()
