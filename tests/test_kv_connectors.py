@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -201,3 +202,52 @@ def test_a_disk_tier_over_its_limit_stays_under_it(tiny_model, tmp_path):
         assert run(engine, token_ids)[0] == run(reference, token_ids)[0]
         assert sum(f.stat().st_size for f in _stored_entries(tmp_path)) <= limit
     assert len(_stored_entries(tmp_path)) < 6 * 4  # older chunks were evicted
+
+
+def test_each_layer_reads_the_cache_only_after_its_load_is_written(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Loaded chunks are written layer by layer during the forward that first reads them; a
+    slow writer shows that every attention layer waits for its own layer's write."""
+    from ember_worker.kv_connector import TieredConnectorWorker
+    from ember_worker.layers import attention
+
+    model = str(tiny_model("llama"))
+    token_ids = prompt(300, seed=2)
+    config = transfer_config("kv_both", disk(tmp_path / "kv"))
+    expected, _ = run(LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config), token_ids)
+
+    events: list[tuple] = []
+    layer_of: dict[int, int] = {}
+    write_layer, start_load_kv = (
+        TieredConnectorWorker._write_layer,
+        TieredConnectorWorker.start_load_kv,
+    )
+    paged_attention = attention.ek.paged_attention
+
+    def slow_write_layer(self, chunks, layer):
+        time.sleep(0.05)
+        write_layer(self, chunks, layer)
+        events.append(("written", layer))
+
+    def noting_start_load_kv(self):
+        layer_of.update({key.data_ptr(): i for i, (key, _) in enumerate(self.kv_caches)})
+        start_load_kv(self)
+        if self._layer_writes:
+            events.append(("queued",))
+
+    def noting_paged_attention(q, key_cache, *args, **kwargs):
+        events.append(("read", layer_of.get(key_cache.data_ptr())))
+        return paged_attention(q, key_cache, *args, **kwargs)
+
+    monkeypatch.setattr(TieredConnectorWorker, "_write_layer", slow_write_layer)
+    monkeypatch.setattr(TieredConnectorWorker, "start_load_kv", noting_start_load_kv)
+    monkeypatch.setattr(attention.ek, "paged_attention", noting_paged_attention)
+    fresh = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    num_layers = len(fresh.engine_core.executor.model_runner.kv_caches)
+    tokens, cached = run(fresh, token_ids)
+    assert tokens == expected and cached == 256
+    assert events.count(("queued",)) == 1
+    step = events[events.index(("queued",)) :]
+    for layer in range(num_layers):
+        assert step.index(("written", layer)) < step.index(("read", layer))

@@ -159,6 +159,8 @@ class Scheduler:
                 removed_compiling = True
             elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove_request(request)
+                if request.num_computed_tokens:  # a connector loaded its KV: it holds blocks
+                    self.kv_cache_manager.free(request_id)
             # A request still loading keeps its blocks until the worker has written them.
             request.set_status(status)
             if self.kv_transfer is not None and request_id not in self.kv_transfer.loading:

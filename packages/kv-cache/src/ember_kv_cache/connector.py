@@ -6,9 +6,11 @@ as ``KVConnectorMetadata``; the worker side (in the engine, which owns the KV te
 bytes and reports back a ``KVConnectorOutput``. It speaks in request ids, token ids and block
 ids, like ``KVCacheManager``.
 
-Loads are asynchronous: a request whose chunks are found waits (in the engine's own status) while
-the worker copies them into its blocks, and its loaded tokens count as computed once the worker
-reports them. Saves are of whole computed chunks, in the step that completes them.
+Loads run in two parts. The fetch is asynchronous: a request whose chunks are found waits (in the
+engine's own status) while the worker reads and checks them, and its fetched tokens count as
+computed once the worker reports them. The write into its blocks then runs inside the next step's
+forward, layer by layer (each attention layer waits for its own), so no forward reads a block
+before it is written. Saves are of whole computed chunks, in the step that completes them.
 """
 
 from __future__ import annotations
@@ -106,16 +108,20 @@ class ChunkTransfer:
 
 @dataclass
 class KVConnectorMetadata:
-    """One step's transfers, from the scheduler side to the worker side."""
+    """One step's transfers, from the scheduler side to the worker side: fetches to start,
+    fetched requests to write into their blocks during this step's forward (or drop, when the
+    request ended meanwhile), and chunks to save."""
 
     loads: list[ChunkTransfer] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
 
 
 @dataclass
 class KVConnectorOutput:
-    """What the worker side finished: for each request whose load ended, how many of its
-    tokens are now in its blocks (less than asked where a chunk was missing or damaged)."""
+    """What the worker side finished: for each request whose fetch ended, how many of its
+    tokens it holds ready to write (less than asked where a chunk was missing or damaged)."""
 
     finished_loading: dict[str, int] = field(default_factory=dict)
 
@@ -162,6 +168,8 @@ class TieredConnectorScheduler:
         self._blocks_per_chunk = config.chunk_size // hasher.block_size
         self._requests: dict[str, _RequestChunks] = {}
         self._loads: list[ChunkTransfer] = []
+        self._writes: list[str] = []
+        self._discards: list[str] = []
         self._stats = KVConnectorStats()
 
     def get_num_new_matched_tokens(
@@ -212,8 +220,8 @@ class TieredConnectorScheduler:
         """This step's metadata: the loads queued since the last step, and saves of the chunks
         that ``scheduled`` completes. Each entry is ``(request_id, token_ids,
         num_computed_tokens after this step)``; ``block_ids_of`` gives a request's block table."""
-        meta = KVConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVConnectorMetadata(loads=self._loads, writes=self._writes, discards=self._discards)
+        self._loads, self._writes, self._discards = [], [], []
         if not self.config.is_producer:
             return meta
         size = self.chunk_size
@@ -233,15 +241,21 @@ class TieredConnectorScheduler:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput | None) -> dict[str, int]:
-        """The requests whose load finished, with the tokens now in their blocks."""
+        """The requests whose fetch finished, with the tokens they will have in their blocks;
+        their writes go out with the next step's metadata."""
         if output is None:
             return {}
+        self._writes.extend(output.finished_loading)
         return output.finished_loading
 
     def request_finished(self, request_id: str) -> tuple[bool, dict | None]:
-        """Forget the request. Returns (delay freeing its blocks, transfer params): saves are
-        copied out within the step that computes them, so blocks never need to wait."""
+        """Forget the request (a fetched load not yet written is dropped). Returns (delay
+        freeing its blocks, transfer params): saves are copied out within the step that
+        computes them, so blocks never need to wait."""
         self._requests.pop(request_id, None)
+        if request_id in self._writes:
+            self._writes.remove(request_id)
+            self._discards.append(request_id)
         return False, None
 
     def record_loaded(self, num_tokens: int) -> None:

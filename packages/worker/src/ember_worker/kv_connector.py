@@ -1,10 +1,13 @@
 """The worker side of the tiered KV connector: chunks between paged KV tensors and the store.
 
-Per step, as vLLM v1's KV connector worker API: ``bind_connector_metadata``, ``start_load_kv``
-before the forward (loads run on a background thread, overlapping the forward, into blocks no
-scheduled request reads), ``save_kv_layer`` per layer after the forward (copies this step's
-completed chunks out of the paged cache, so the blocks may be reused next step),
-``wait_for_save`` (puts them into the store), ``get_finished`` (the loads that ended) and
+Per step, as vLLM v1's KV connector worker API: ``bind_connector_metadata``; ``start_load_kv``
+before the forward (new fetches go to a background thread that reads and checks chunks from the
+store across steps; fetched requests the scheduler now expects in their blocks are written layer
+by layer on a copy thread); inside the forward, each attention layer calls
+``wait_for_layer_load(layer)`` before it reads the cache and ``save_kv_layer(layer)`` right
+after it wrote its keys and values (the layer's completed chunks are copied out on a save
+thread while the next layers compute); ``wait_for_save`` after the forward (puts them into the
+store, so the blocks may be reused next step); ``get_finished`` (the fetches that ended) and
 ``clear_connector_metadata``. A chunk is an array ``[layers, 2 (key, value), chunk_size,
 num_kv_heads, head_size]`` in the cache dtype (bfloat16 travels as int16 bits).
 """
@@ -16,6 +19,7 @@ import logging
 import pathlib
 import warnings
 from concurrent import futures
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -87,8 +91,14 @@ class TieredConnectorWorker:
         self.blocks_per_chunk = chunk_size // spec.block_size
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._metadata = KVConnectorMetadata()
-        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="ember-kv-load")
-        self._loads: dict[str, futures.Future] = {}
+        self._fetcher = futures.ThreadPoolExecutor(1, thread_name_prefix="ember-kv-fetch")
+        self._copier = futures.ThreadPoolExecutor(1, thread_name_prefix="ember-kv-copy")
+        self._saver = futures.ThreadPoolExecutor(1, thread_name_prefix="ember-kv-save")
+        self._fetches: dict[str, futures.Future] = {}
+        self._fetched: dict[str, list[_FetchedChunk]] = {}
+        # This step's writes, one future per layer (empty when nothing is written).
+        self._layer_writes: list[futures.Future] = []
+        self._layer_saves: list[futures.Future] = []
         # Per save transfer: a host buffer [chunks, layers, 2, blocks_per_chunk, block, heads, size].
         self._save_buffers: list[torch.Tensor] = []
 
@@ -102,28 +112,42 @@ class TieredConnectorWorker:
 
     def clear_connector_metadata(self) -> None:
         self._metadata = KVConnectorMetadata()
+        self._layer_writes = []
+        self._layer_saves = []
         self._save_buffers = []
 
     def start_load_kv(self) -> None:
-        """Start this step's loads on the loader thread."""
-        for transfer in self._metadata.loads:
-            self._loads[transfer.request_id] = self._loader.submit(self._load, transfer)
+        """Start this step's fetches, drop the discarded, and queue the writes of the fetched
+        requests this step expects in their blocks, one copy task per layer in layer order."""
+        meta = self._metadata
+        for transfer in meta.loads:
+            self._fetches[transfer.request_id] = self._fetcher.submit(self._fetch, transfer)
+        for req_id in meta.discards:
+            self._fetched.pop(req_id, None)
+        chunks = [chunk for req_id in meta.writes for chunk in self._fetched.pop(req_id, ())]
+        if chunks:
+            self._layer_writes = [
+                self._copier.submit(self._write_layer, chunks, layer)
+                for layer in range(len(self.kv_caches))
+            ]
+        if meta.saves:
+            self._save_buffers = [self._new_buffer(len(t.chunk_hashes)) for t in meta.saves]
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until this step's writes of layer ``layer`` are in the paged cache."""
+        if self._layer_writes:
+            self._layer_writes[layer].result()
 
     def save_kv_layer(self, layer: int) -> None:
-        """Copy layer ``layer`` of this step's completed chunks out of the paged cache."""
-        if not self._save_buffers:
-            self._save_buffers = [
-                self._new_buffer(len(t.chunk_hashes)) for t in self._metadata.saves
-            ]
-        key_cache, value_cache = self.kv_caches[layer]
-        for transfer, buffer in zip(self._metadata.saves, self._save_buffers):
-            blocks = self._chunk_block_ids(transfer, key_cache.device)
-            shape = buffer.shape[3:]
-            buffer[:, layer, 0] = key_cache.index_select(0, blocks).view(-1, *shape).cpu()
-            buffer[:, layer, 1] = value_cache.index_select(0, blocks).view(-1, *shape).cpu()
+        """Copy layer ``layer`` of this step's completed chunks out of the paged cache (on the
+        save thread; called right after the layer wrote this step's keys and values)."""
+        if self._save_buffers:
+            self._layer_saves.append(self._saver.submit(self._copy_out_layer, layer))
 
     def wait_for_save(self) -> None:
         """Put this step's saved chunks into the store (the paged blocks are free to reuse)."""
+        for copy in self._layer_saves:
+            copy.result()
         spec = self.spec
         for transfer, buffer in zip(self._metadata.saves, self._save_buffers):
             chunks = buffer.view(
@@ -134,34 +158,43 @@ class TieredConnectorWorker:
                 self.store.put(chunk_hash, _as_numpy(chunk))
 
     def get_finished(self, wait: bool = False) -> KVConnectorOutput:
-        """Loads that ended since the last call, with each request's tokens now in place;
-        ``wait`` blocks a little for one when nothing else is running."""
-        if wait and self._loads:
+        """Fetches that ended since the last call, with each request's tokens it will have in
+        place once written; ``wait`` blocks a little for one when nothing else is running."""
+        if wait and self._fetches:
             futures.wait(
-                self._loads.values(), _IDLE_WAIT_SECONDS, return_when=futures.FIRST_COMPLETED
+                self._fetches.values(), _IDLE_WAIT_SECONDS, return_when=futures.FIRST_COMPLETED
             )
-        done = [req_id for req_id, future in self._loads.items() if future.done()]
-        return KVConnectorOutput({req_id: self._loads.pop(req_id).result() for req_id in done})
+        finished = {}
+        for req_id in [req_id for req_id, future in self._fetches.items() if future.done()]:
+            in_place, chunks = self._fetches.pop(req_id).result()
+            self._fetched[req_id] = chunks
+            finished[req_id] = in_place
+        return KVConnectorOutput(finished)
 
     # ------------------------------------------------------------------ the runner's two calls
 
     def start_step(self, metadata: KVConnectorMetadata | None) -> None:
-        """Before the forward: take the step's metadata and start its loads."""
+        """Before the forward: take the step's metadata, start its fetches and writes."""
         self.bind_connector_metadata(metadata or KVConnectorMetadata())
         self.start_load_kv()
 
     def finish_step(self, idle: bool) -> KVConnectorOutput:
-        """After the forward (or in a step that computed nothing): save, report, clear."""
+        """After the forward (or in a step that computed nothing): finish the writes (a step
+        without a forward has no attention layer to wait for them), save, report, clear."""
+        for write in self._layer_writes:
+            write.result()
         if self._metadata.saves:
-            for layer in range(self.spec.num_layers):
-                self.save_kv_layer(layer)
+            if not self._layer_saves:  # no forward ran: nothing new was computed, but copy out
+                for layer in range(len(self.kv_caches)):
+                    self.save_kv_layer(layer)
             self.wait_for_save()
         output = self.get_finished(wait=idle)
         self.clear_connector_metadata()
         return output
 
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=True)
+        for pool in (self._fetcher, self._copier, self._saver):
+            pool.shutdown(wait=True)
         self.store.close()
 
     # ------------------------------------------------------------------ helpers
@@ -179,13 +212,23 @@ class TieredConnectorWorker:
         end = start + len(transfer.chunk_hashes) * per_chunk
         return torch.tensor(transfer.block_ids[start:end], dtype=torch.long, device=device)
 
-    def _load(self, transfer: ChunkTransfer) -> int:
-        """Copy the transfer's chunks into the request's blocks, in order, up to the first that
-        is missing or damaged; returns the request's tokens in place afterwards."""
+    @torch.inference_mode()  # the runner's tensors are inference tensors; threads start outside
+    def _copy_out_layer(self, layer: int) -> None:
+        key_cache, value_cache = self.kv_caches[layer]
+        for transfer, buffer in zip(self._metadata.saves, self._save_buffers):
+            blocks = self._chunk_block_ids(transfer, key_cache.device)
+            shape = buffer.shape[3:]
+            buffer[:, layer, 0] = key_cache.index_select(0, blocks).view(-1, *shape).cpu()
+            buffer[:, layer, 1] = value_cache.index_select(0, blocks).view(-1, *shape).cpu()
+
+    def _fetch(self, transfer: ChunkTransfer) -> tuple[int, list[_FetchedChunk]]:
+        """Read and check the transfer's chunks, in order, up to the first that is missing or
+        damaged; returns the request's tokens in place once they are written, and the chunks."""
         spec = self.spec
         size = self.chunk_size
         in_place = transfer.first_chunk * size + transfer.skip_tokens
         expected = (spec.num_layers, 2, size, spec.num_kv_heads, spec.head_size)
+        fetched = []
         try:
             for offset, chunk_hash in enumerate(transfer.chunk_hashes):
                 chunk = self.store.get(chunk_hash)
@@ -197,15 +240,17 @@ class TieredConnectorWorker:
                 block_ids = transfer.block_ids[
                     index * per_chunk + skip_blocks : (index + 1) * per_chunk
                 ]
-                self._write_chunk(chunk, block_ids, skip_blocks)
+                fetched.append(self._fetched_chunk(chunk, block_ids, skip_blocks))
                 in_place = (index + 1) * size
         except Exception:
             logger.exception(
                 "KV load of request %s failed; the rest is recomputed", transfer.request_id
             )
-        return in_place
+        return in_place, fetched
 
-    def _write_chunk(self, chunk: np.ndarray, block_ids: list[int], skip_blocks: int) -> None:
+    def _fetched_chunk(
+        self, chunk: np.ndarray, block_ids: list[int], skip_blocks: int
+    ) -> _FetchedChunk:
         spec = self.spec
         with warnings.catch_warnings():  # the chunk is read-only and is only read from
             warnings.simplefilter("ignore", UserWarning)
@@ -218,7 +263,21 @@ class TieredConnectorWorker:
         )[:, :, skip_blocks:]  # fmt: skip
         device = self.kv_caches[0][0].device
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        blocks = blocks.to(device)
-        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
-            key_cache.index_copy_(0, index, blocks[layer, 0])
-            value_cache.index_copy_(0, index, blocks[layer, 1])
+        return _FetchedChunk(index, blocks)
+
+    @torch.inference_mode()
+    def _write_layer(self, chunks: list[_FetchedChunk], layer: int) -> None:
+        key_cache, value_cache = self.kv_caches[layer]
+        for chunk in chunks:
+            key_cache.index_copy_(0, chunk.block_ids, chunk.blocks[layer, 0].to(key_cache.device))
+            value_cache.index_copy_(
+                0, chunk.block_ids, chunk.blocks[layer, 1].to(value_cache.device)
+            )
+
+
+class _FetchedChunk(NamedTuple):
+    """A chunk read from the store, waiting to be written into ``block_ids`` (a device index
+    tensor); ``blocks`` is ``[layers, 2, blocks, block_size, heads, head_size]`` on the host."""
+
+    block_ids: torch.Tensor
+    blocks: torch.Tensor

@@ -139,7 +139,7 @@ class ModelRunner:
         if self.step_threads is not None:
             self.step_threads.apply(scheduler_output.total_num_scheduled_tokens)
         inputs = self.input_buffers.prepare()
-        metadata = _attention_metadata(inputs)
+        metadata = _attention_metadata(inputs, self.kv_connector)
         hidden_states = self._forward(inputs, metadata)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             if len(self.pooler.params) < batch.num_reqs:
@@ -282,7 +282,9 @@ class ModelRunner:
         return result
 
 
-def _attention_metadata(inputs: ModelInputs) -> AttentionMetadata:
+def _attention_metadata(
+    inputs: ModelInputs, kv_connector: TieredConnectorWorker | None
+) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=inputs.slot_mapping,
         block_table=inputs.block_table,
@@ -290,4 +292,5 @@ def _attention_metadata(inputs: ModelInputs) -> AttentionMetadata:
         seq_lens=inputs.seq_lens,
         max_query_len=inputs.max_query_len,
         max_seq_len=inputs.max_seq_len,
+        kv_connector=kv_connector,
     )

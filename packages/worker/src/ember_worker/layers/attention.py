@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,6 +24,16 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length including this step's tokens
     max_query_len: int
     max_seq_len: int
+    # With a KV connector: its worker side, whose per-layer waits and saves each layer calls.
+    kv_connector: KVLayerTransfer | None = None
+
+
+class KVLayerTransfer(Protocol):
+    """What attention layers call on a KV connector during a forward (by layer index)."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int) -> None: ...
 
 
 class PagedAttention(nn.Module):
@@ -47,6 +58,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_index = 0  # this layer's place among the bound caches
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -59,7 +71,13 @@ class PagedAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        ek.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        connector = metadata.kv_connector
+        if connector is None:
+            ek.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            connector.wait_for_layer_load(self.layer_index)
+            ek.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+            connector.save_kv_layer(self.layer_index)
         out = ek.paged_attention(
             q,
             key_cache,
@@ -80,5 +98,6 @@ def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Te
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     if len(layers) != len(kv_caches):
         raise ValueError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")
-    for layer, cache in zip(layers, kv_caches):
+    for index, (layer, cache) in enumerate(zip(layers, kv_caches)):
         layer.kv_cache = cache
+        layer.layer_index = index
