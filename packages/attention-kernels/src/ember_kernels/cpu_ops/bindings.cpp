@@ -1,4 +1,6 @@
 // The Python module of the compiled CPU kernels (see kernels.h).
+#include <torch/python.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -4,16 +4,21 @@
 // caches. Statistics are float32; results round to the tensor dtype where the torch path rounds.
 // Rows are split over torch's intra-op threads only when there is enough work to pay for it.
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include "kernels.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace {
 
@@ -62,8 +67,8 @@ void norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
 }
 
 template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, float eps,
-                   torch::Tensor& out) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, float eps,
+                   at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* src = static_cast<const T*>(x.data_ptr());
   const T* w = static_cast<const T*>(weight.data_ptr());
@@ -75,9 +80,9 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, float ep
 }
 
 template <typename T>
-void fused_add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual,
-                             const torch::Tensor& weight, float eps, torch::Tensor& out,
-                             torch::Tensor& residual_out) {
+void fused_add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual,
+                             const at::Tensor& weight, float eps, at::Tensor& out,
+                             at::Tensor& residual_out) {
   const int64_t rows = x.size(0), n = x.size(1);
   const T* a = static_cast<const T*>(x.data_ptr());
   const T* b = static_cast<const T*>(residual.data_ptr());
@@ -108,7 +113,7 @@ inline float silu(float g) {
 }
 
 template <typename T>
-void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = out.size(1);
   const T* src = static_cast<const T*>(x.data_ptr());
   T* dst = static_cast<T*>(out.data_ptr());
@@ -153,9 +158,9 @@ void rotate_heads(const T* x, int64_t heads, int64_t head_stride, int64_t head_s
 }
 
 template <typename T>
-void rotary_impl(const torch::Tensor& positions, const torch::Tensor& query,
-                 const std::optional<torch::Tensor>& key, const torch::Tensor& cache, bool neox,
-                 torch::Tensor& query_out, std::optional<torch::Tensor>& key_out) {
+void rotary_impl(const at::Tensor& positions, const at::Tensor& query,
+                 const std::optional<at::Tensor>& key, const at::Tensor& cache, bool neox,
+                 at::Tensor& query_out, std::optional<at::Tensor>& key_out) {
   const int64_t tokens = query.size(0), head_size = query.size(2);
   const int64_t rotary_dim = cache.size(1), half = rotary_dim / 2, max_position = cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -185,15 +190,15 @@ void rotary_impl(const torch::Tensor& positions, const torch::Tensor& query,
 #pragma GCC pop_options
 
 template <typename F>
-void dispatch(const torch::Tensor& x, const char* name, const F& f) {
+void dispatch(const at::Tensor& x, const char* name, const F& f) {
   switch (x.scalar_type()) {
-    case torch::kFloat:
+    case at::kFloat:
       f(float{});
       break;
-    case torch::kHalf:
+    case at::kHalf:
       f(c10::Half{});
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       f(c10::BFloat16{});
       break;
     default:
@@ -203,14 +208,14 @@ void dispatch(const torch::Tensor& x, const char* name, const F& f) {
 
 }  // namespace
 
-void rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, torch::Tensor& out) {
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rms_norm: rows must be contiguous");
   dispatch(x, "x", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, eps, out); });
 }
 
-void fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                        const torch::Tensor& weight, double eps, torch::Tensor& out,
-                        torch::Tensor& residual_out) {
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps, at::Tensor& out,
+                        at::Tensor& residual_out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1,
               "fused_add_rms_norm: rows must be contiguous");
   dispatch(x, "x", [&](auto t) {
@@ -218,17 +223,17 @@ void fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
   });
 }
 
-void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
+void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1,
               "silu_and_mul: rows must be contiguous");
   dispatch(x, "x", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
 }
 
-void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& query,
-                      const std::optional<torch::Tensor>& key, const torch::Tensor& cos_sin_cache,
-                      bool is_neox_style, torch::Tensor& query_out,
-                      std::optional<torch::Tensor> key_out) {
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+void rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                      const std::optional<at::Tensor>& key, const at::Tensor& cos_sin_cache,
+                      bool is_neox_style, at::Tensor& query_out,
+                      std::optional<at::Tensor> key_out) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   query.stride(2) == 1 && query_out.is_contiguous() &&
                   cos_sin_cache.is_contiguous() &&
                   cos_sin_cache.scalar_type() == query.scalar_type() &&
@@ -240,13 +245,13 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& query
   });
 }
 
-void reshape_and_cache(const torch::Tensor& key, const torch::Tensor& value,
-                       torch::Tensor& key_cache, torch::Tensor& value_cache,
-                       const torch::Tensor& slot_mapping) {
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                       at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
   const int64_t row = key.size(1) * key.size(2);
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
                   value.stride(1) == value.size(2) && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && slot_mapping.scalar_type() == torch::kLong &&
+                  value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.is_contiguous(),
               "reshape_and_cache: unexpected layout");
   const int64_t tokens = key.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
