@@ -179,8 +179,9 @@ def test_execute_after_shutdown_is_refused(llama):
 
 
 def test_each_step_runs_with_the_threads_of_its_phase_in_the_thread_that_runs_it(llama):
-    # 2 threads for steps of 8 tokens or more, 1 below; the steps run in another Python thread,
-    # whose OpenMP thread count starts at the default, not at what this thread set.
+    # 2 threads for steps of 8 tokens or more with no decoding request, else 1; the steps run in
+    # another Python thread, whose OpenMP thread count starts at the default, not at what this
+    # thread set.
     executor = _executor(llama, num_threads=StepThreads(2, 1, prefill_min_tokens=8))
     seen = []
     forward = executor.model_runner.model.forward
@@ -190,14 +191,17 @@ def test_each_step_runs_with_the_threads_of_its_phase_in_the_thread_that_runs_it
         return forward(*args, **kwargs)
 
     executor.model_runner.model.forward = recording_forward
-    prompt = list(range(10, 22))
-    new = NewRequestData("a", prompt, [], GREEDY, block_ids=[0, 1, 2, 3], num_computed_tokens=0)
-    steps = [_step(new=[new], scheduled={"a": 12})]
-    steps += [_step(cached=[("a", [], computed)], scheduled={"a": 1}) for computed in (12, 13)]
+    a = NewRequestData("a", list(range(10, 22)), [], GREEDY, [0, 1, 2, 3], num_computed_tokens=0)
+    b = NewRequestData("b", list(range(30, 42)), [], GREEDY, [4, 5, 6, 7], num_computed_tokens=0)
+    steps = [
+        _step(new=[a], scheduled={"a": 12}),
+        _step(cached=[("a", [], 12)], scheduled={"a": 1}),
+        _step(new=[b], cached=[("a", [], 13)], scheduled={"a": 1, "b": 12}),
+    ]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         for step in steps:
             pool.submit(executor.execute_model, step).result()
-    assert seen == [2, 1, 1]
+    assert seen == [2, 1, 1]  # a's prefill; a's decode; b's prefill beside a's decode
 
 
 def test_step_threads_must_be_positive():

@@ -25,14 +25,15 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 def default_step_threads(*, front_end_alongside: bool) -> StepThreads:
     """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
     process may run on, except that where a front end process shares the cores (``ember
-    serve``) steps with fewer than ``PREFILL_MIN_TOKENS`` scheduled tokens (decode) leave it one.
+    serve``) only prefill steps (``StepThreads``: 256+ tokens, no request decoding) take them all
+    and the others leave the front end one, since it streams their tokens while they run.
 
-    Why, measured on a 2-core machine (issue 12; the package README has the figures): a
+    Why, measured on a 2-core machine (issue 12; the server README has the figures): a
     1,500-token prefill runs 1.7x faster on two threads than on one, and ``LLM`` has no other
-    process to share with; but the served front end streams and detokenizes while decode steps
-    run, and an OpenMP thread that loses its core to it stalls every barrier of the step. The
-    count is fixed at start-up, not read from the load average: a start-up during someone
-    else's burst must not leave the engine on one thread for its whole life.
+    process to share with; an OpenMP thread that loses its core to another process stalls every
+    barrier of the step (many times slower under load). The count is fixed, not read from the
+    load average at start-up: a start-up during someone else's burst must not leave the engine
+    on one thread for its whole life.
     """
     from ember_worker.step_threads import StepThreads
 
