@@ -10,6 +10,8 @@ wrong ``num_computed_tokens`` therefore changes the outputs (and trips an assert
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
 from ember_kv_cache import KVConnectorOutput, TieredKVStore
@@ -113,7 +115,19 @@ class FakeExecutor:
         self.load_delay_steps = load_delay_steps
         self._loads: list[tuple[int, object]] = []  # (step it finishes, ChunkTransfer)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run the step now; with ``non_block`` its output comes back as a done future, which
+        the engine core applies only later (async scheduling), as with a real worker."""
+        output = self._execute(so)
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(output)
+        return future
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.scheduler_outputs.append(so)
         step = len(self.scheduler_outputs)
         if so.kv_connector_metadata is not None:

@@ -18,6 +18,7 @@ _config = st.fixed_dictionaries(
         "threshold": st.sampled_from([0, 3, 16]),
         "policy": st.sampled_from(["fcfs", "priority"]),
         "spec": st.sampled_from([0, 0, 2]),
+        "async_scheduling": st.booleans(),  # only without spec
     }
 )
 _add = st.tuples(
@@ -41,7 +42,8 @@ def _check_invariants(engine, executor, config):
     assert len(running) <= config["max_num_seqs"]
     kv = engine.kv_cache_manager
     for request in scheduler.running:
-        assert request.num_computed_tokens <= request.num_tokens
+        # Under async scheduling the tokens of steps in flight count (placeholders).
+        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
         assert (
             len(kv.get_block_ids(request.request_id)) * kv.block_size >= request.num_computed_tokens
         )
@@ -76,6 +78,7 @@ def test_interleaved_adds_aborts_and_steps_keep_the_invariants(config, ops):
             long_prefill_token_threshold=config["threshold"],
             policy=config["policy"],
             num_lookahead_tokens=config["spec"],
+            async_scheduling=config["async_scheduling"] and not config["spec"],
         ),
     )
     max_len = engine.scheduler.max_num_tokens

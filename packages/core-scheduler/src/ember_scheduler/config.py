@@ -17,7 +17,11 @@ class SchedulerConfig:
     ``long_prefill_token_threshold`` (0 = off) caps how many prompt tokens one request may take in
     a step, so that one long prompt does not starve the others. ``num_lookahead_tokens`` reserves
     KV slots for that many speculative tokens beyond the scheduled ones (for a drafter that
-    writes KV). Validated on construction (ValueError names the field).
+    writes KV). With ``async_scheduling`` step n+1 is scheduled while step n runs: each request
+    about to sample holds an output placeholder until its token arrives (the worker feeds the
+    token to step n+1 itself); speculative decoding (``num_lookahead_tokens``) needs the drafts
+    of step n to schedule step n+1, so it is refused with it. Validated on construction
+    (ValueError names the field).
     """
 
     max_num_seqs: int = 256
@@ -30,6 +34,7 @@ class SchedulerConfig:
     prefix_caching_hash_algo: str = "sha256"
     enable_kv_events: bool = False  # the engine core reports prefix-cache changes in its outputs
     num_lookahead_tokens: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -40,6 +45,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
+        if self.async_scheduling and self.num_lookahead_tokens:
+            raise ValueError(
+                "SchedulerConfig.async_scheduling cannot be combined with speculative decoding "
+                "(num_lookahead_tokens > 0): the next step's drafts come from this step's output"
+            )
         if self.policy not in _POLICIES:
             raise ValueError(
                 f"SchedulerConfig.policy must be one of {_POLICIES}, got {self.policy!r}"

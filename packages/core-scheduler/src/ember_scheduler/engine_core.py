@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Protocol
 
 from ember_kv_cache import (
@@ -29,6 +31,8 @@ from ember_scheduler.structured_outputs import GrammarCompiler
 
 # How long an idle step waits for a compiling grammar before it returns (nothing to run).
 _GRAMMAR_WAIT_S = 0.01
+# Steps in flight under async scheduling: one running, the next scheduled behind it.
+_BATCH_QUEUE_DEPTH = 2
 
 
 class Executor(Protocol):
@@ -52,7 +56,12 @@ class Executor(Protocol):
         """The worker's KV tier store when built with a ``kv_transfer_config``, else None."""
         ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step; with ``non_block`` return at once with a future of its output. Steps
+        run in the order they were given (async scheduling relies on it)."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -71,6 +80,10 @@ class EngineCore:
     ``structured_outputs`` is refused with a ValueError. With a ``kv_transfer_config`` (the one
     the executor was built with) the scheduler drives a tiered KV connector over the executor's
     ``kv_transfer_store``.
+
+    With ``scheduler_config.async_scheduling`` each ``step()`` schedules the next step and hands
+    it to the executor without blocking before it waits for the output of the step before it:
+    a batch queue of depth 2, so scheduling and applying outputs run while the model runs.
     """
 
     def __init__(
@@ -97,6 +110,10 @@ class EngineCore:
             hasher = self.kv_cache_manager.hasher
             connector = TieredConnectorScheduler(kv_transfer_config, store, hasher)
         self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler, connector)
+        # Steps handed to the executor whose outputs are not applied yet (async scheduling).
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] | None = (
+            deque() if config.async_scheduling else None
+        )
 
     @property
     def max_num_tokens(self) -> int:
@@ -133,6 +150,8 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model once, and return what changed (empty when idle)."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         scheduler = self.scheduler
         if not scheduler.running and not scheduler.waiting:
             # Only requests waiting for their grammars, if any: wait a little for the first.
@@ -142,6 +161,31 @@ class EngineCore:
         scheduler_output = scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
         outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+        return self._with_kv_events(outputs)
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Schedule a step and hand it to the executor without blocking; then, once two steps
+        are in flight (or nothing more can be scheduled), wait for the older one and apply its
+        output. Returns what changed (empty after a step that only scheduled)."""
+        scheduler = self.scheduler
+        queue = self.batch_queue
+        if len(queue) < _BATCH_QUEUE_DEPTH:
+            if not scheduler.running and not scheduler.waiting and not queue:
+                scheduler.poll_grammars(_GRAMMAR_WAIT_S)
+            if scheduler.running or scheduler.waiting:
+                scheduler_output = scheduler.schedule()
+                queue.append(
+                    (
+                        self.executor.execute_model(scheduler_output, non_block=True),
+                        scheduler_output,
+                    )
+                )
+                if len(queue) < _BATCH_QUEUE_DEPTH and scheduler_output.total_num_scheduled_tokens:
+                    return self._with_kv_events(scheduler.take_pending_outputs())
+        if not queue:
+            return self._with_kv_events(scheduler.take_pending_outputs())
+        future, scheduler_output = queue.popleft()
+        outputs = scheduler.update_from_output(scheduler_output, future.result())
         return self._with_kv_events(outputs)
 
     def _with_kv_events(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
@@ -160,7 +204,7 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

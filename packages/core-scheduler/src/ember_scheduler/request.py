@@ -60,6 +60,9 @@ _TRANSITIONS = {
     },
     RequestStatus.PREEMPTED: {
         RequestStatus.RUNNING,
+        # async scheduling: the token of a step in flight when it was preempted ends it
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.WAITING_FOR_REMOTE_KVS,
         RequestStatus.FINISHED_ABORTED,
     },
@@ -73,6 +76,8 @@ class Request:
     (and hashes its full blocks) without copying. ``num_computed_tokens`` counts the tokens whose
     KV is in the cache or scheduled to be; ``spec_token_ids`` holds draft tokens to verify next.
     ``grammar`` is the future of its compiled structured-output grammar, while it waits for it.
+    Under async scheduling ``num_output_placeholders`` counts the tokens sampled by steps still
+    in flight: the worker already feeds them to the next step, the scheduler learns them later.
     A request with ``pooling_params`` finishes once its prompt is computed, with the pooled
     hidden states instead of tokens.
     """
@@ -90,6 +95,7 @@ class Request:
         "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_logprob_rows_seen",
         "num_prompt_logprob_rows_sent",
@@ -164,6 +170,7 @@ class Request:
         )
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens, set when first scheduled
         self.num_preemptions = 0
         self.num_prompt_logprob_rows_sent = 0

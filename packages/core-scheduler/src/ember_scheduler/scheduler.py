@@ -39,6 +39,7 @@ from ember_scheduler.structured_outputs import GrammarCompiler
 
 # An enum member read through its class costs a lookup per request and step; a module name does not.
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 _WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 
 
@@ -59,6 +60,15 @@ class Scheduler:
 
     With a ``kv_connector``, prompts continue from its tier store past the local prefix hit,
     and computed chunks are saved to it (``kv_transfer.py``).
+
+    With ``config.async_scheduling`` the next step is scheduled before this step's output is
+    applied. A request whose scheduled tokens reach the end of its known tokens will sample one:
+    it gets an output placeholder, counted as a known token, so that the next step schedules the
+    token the worker already holds. Its real token replaces the placeholder in
+    ``update_from_output``, where stops apply as usual (a stopped request's one extra step is
+    dropped there). A request is not scheduled past ``max_tokens`` or the context with its
+    placeholders counted; one preempted with a step in flight still takes that step's token and
+    is resumed only once it has.
     """
 
     def __init__(
@@ -90,6 +100,11 @@ class Scheduler:
             KVTransferScheduling(kv_connector, kv_cache_manager) if kv_connector else None
         )
         self._spec_decoding_stats: SpecDecodingStats | None = None
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and kv_connector is not None:
+            raise ValueError(
+                "async_scheduling cannot be combined with a KV connector (kv_transfer_config)"
+            )
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -247,6 +262,8 @@ class Scheduler:
             num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
                 self.running[0].request_id, len(self.running)
             )
+        if self.async_scheduling:
+            self._add_output_placeholders(num_scheduled_tokens)
         finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         kv_connector_metadata = None
@@ -289,6 +306,16 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             token_ids = request.all_token_ids
             num_known = len(token_ids)
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                # In flight: tokens the worker holds. Not past max_tokens or the context.
+                num_known += placeholders
+                if (
+                    num_known >= max_num_tokens
+                    or len(request.output_token_ids) + placeholders >= request.max_tokens
+                ):
+                    index += 1
+                    continue
             spec = request.spec_token_ids
             num_new = num_known + len(spec) - num_computed
             if 0 < threshold < num_new:
@@ -361,6 +388,8 @@ class Scheduler:
         config = self.config
         while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.num_output_placeholders:
+                break  # preempted with a step in flight: resumed once its token is known
             req_id = request.request_id
             token_ids = request.all_token_ids
             computed = None
@@ -408,6 +437,8 @@ class Scheduler:
             request.set_status(RequestStatus.RUNNING)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+            # The worker recomputes prompt logprobs from the start; rows already sent are skipped.
+            request.num_prompt_logprob_rows_seen = 0
             new_reqs.append(
                 NewRequestData(
                     req_id=req_id,
@@ -444,10 +475,23 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.num_preemptions += 1
-        victim.num_prompt_logprob_rows_seen = 0
         self._num_preemptions += 1
         self.waiting.prepend_request(victim)
         return victim, position < current
+
+    def _add_output_placeholders(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """Give a placeholder to each request scheduled to sample: its tokens reach the end of
+        its known tokens (async scheduling; after the whole step, so withdrawn requests have
+        none)."""
+        requests = self.requests
+        for req_id in num_scheduled_tokens:
+            request = requests[req_id]
+            placeholders = request.num_output_placeholders
+            if (
+                request.num_computed_tokens == len(request.all_token_ids) + placeholders
+                and request.pooling_params is None
+            ):
+                request.num_output_placeholders = placeholders + 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -467,20 +511,28 @@ class Scheduler:
             )
         pooler_output = model_runner_output.pooler_output
         finished: list[Request] = []
+        finished_preempted: list[Request] = []
 
         for index, req_id in enumerate(model_runner_output.req_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != _RUNNING:
-                continue  # aborted or preempted since it was scheduled
+            if request is None:
+                continue  # finished or aborted since it was scheduled
+            status = request.status
+            if status != _RUNNING and status != _PREEMPTED:
+                continue
+            # PREEMPTED: preempted while this step was in flight (async scheduling); it keeps
+            # the step's token.
             if request.pooling_params is not None:
                 pooled = pooler_output.get(req_id)
                 if pooled is not None:  # else a prefill chunk: nothing to report yet
                     outputs.append(_finish_pooled(request, pooled))
-                    finished.append(request)
+                    (finished if status == _RUNNING else finished_preempted).append(request)
                 continue
             new_token_ids = sampled_token_ids[index]
             finish_reason = None
             if new_token_ids:
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= len(new_token_ids)
                 if scheduled_spec:
                     self._roll_back_rejected_drafts(
                         request, scheduled_spec.get(req_id), new_token_ids
@@ -511,7 +563,7 @@ class Scheduler:
                     if finish_reason == FinishReason.STOP
                     else RequestStatus.FINISHED_LENGTH_CAPPED
                 )
-                finished.append(request)
+                (finished if status == _RUNNING else finished_preempted).append(request)
             elif not new_token_ids and new_prompt_logprobs is None:
                 continue  # a prefill chunk: nothing to report yet
             outputs.append(
@@ -534,6 +586,10 @@ class Scheduler:
                 if self.kv_transfer is not None:
                     self.kv_transfer.request_finished(request)
             self.running = [r for r in self.running if r.status == _RUNNING]
+        for request in finished_preempted:
+            # Its blocks were freed and the worker dropped it when it was preempted.
+            self.waiting.remove_request(request)
+            del self.requests[request.request_id]
         if self.kv_transfer is not None:
             for request in self.kv_transfer.finish_loads(model_runner_output.kv_connector_output):
                 self.waiting.prepend_request(request)
