@@ -51,8 +51,8 @@ class BlockView:
         self.block_size = executor.block_size
         self.vocab_size = executor.vocab_size
 
-    def execute_model(self, scheduler_output):
-        return self.executor.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output, non_block=False):
+        return self.executor.execute_model(scheduler_output, non_block)
 
     def shutdown(self) -> None:
         """The ranks outlive one engine; the module's fixture stops them."""
@@ -99,12 +99,19 @@ def parallel(request):
     executor.shutdown()
 
 
-def engine(executor, num_blocks=512, max_num_batched_tokens=MAX_BATCHED_TOKENS, caching=False):
+def engine(
+    executor,
+    num_blocks=512,
+    max_num_batched_tokens=MAX_BATCHED_TOKENS,
+    caching=False,
+    async_scheduling=False,
+):
     config = SchedulerConfig(
         max_num_seqs=NUM_PROMPTS,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=caching,
+        async_scheduling=async_scheduling,
     )
     return EngineCore(BlockView(executor, num_blocks), config)
 
@@ -135,6 +142,15 @@ def test_greedy_matches_transformers_with_chunked_prefill(parallel):
     arch, executor = parallel
     core = engine(executor, max_num_batched_tokens=24)
     outputs, _ = run_to_end(core, parity_prompts(), greedy, "chunk-")
+    assert_matches_hf(arch, outputs)
+
+
+def test_greedy_matches_transformers_with_async_scheduling(parallel):
+    """Steps sent to the ranks before the previous one's output came back: in order, exact."""
+    arch, executor = parallel
+    core = engine(executor, num_blocks=40, max_num_batched_tokens=24, async_scheduling=True)
+    outputs, totals = run_to_end(core, parity_prompts(), greedy, "async-")
+    assert totals["num_preemptions"] > 0
     assert_matches_hf(arch, outputs)
 
 

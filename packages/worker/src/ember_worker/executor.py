@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -29,7 +30,9 @@ class InProcessExecutor:
     alone. Several ranks run in the multiprocess or Ray
     executors (``executor_factory.make_executor``). With ``kv_transfer_config`` the runner moves
     KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
-    ``prefix_caching_hash_algo``'s chain hashes (the scheduler's).
+    ``prefix_caching_hash_algo``'s chain hashes (the scheduler's). ``execute_model(...,
+    non_block=True)`` runs the step on one worker thread, steps in order (torch releases the GIL
+    while it computes, so the engine core schedules meanwhile).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class InProcessExecutor:
         self._num_kv_blocks = self.model_runner.num_kv_blocks_for(budget)
         self.model_runner.initialize_kv_cache(self._num_kv_blocks)
         self._block_size = block_size
+        self._step_thread: ThreadPoolExecutor | None = None
         self._kv_transfer_store = None
         if kv_transfer_config is not None:
             spec = self.model_runner.kv_cache_spec
@@ -125,13 +129,23 @@ class InProcessExecutor:
     def kv_transfer_store(self) -> TieredKVStore | None:
         return self._kv_transfer_store
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         if self.model_runner is None:
             raise RuntimeError("InProcessExecutor.execute_model called after shutdown()")
-        return self.model_runner.execute_model(scheduler_output)
+        if not non_block:
+            return self.model_runner.execute_model(scheduler_output)
+        if self._step_thread is None:
+            # One thread: steps run in the order given, and torch sees one caller.
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="ember-step")
+        return self._step_thread.submit(self.model_runner.execute_model, scheduler_output)
 
     def shutdown(self) -> None:
         """Release the KV cache and the model (the executor is unusable afterwards)."""
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True, cancel_futures=True)
+            self._step_thread = None
         if self.model_runner is not None and self.model_runner.kv_connector is not None:
             self.model_runner.kv_connector.shutdown()
         self.model_runner = None

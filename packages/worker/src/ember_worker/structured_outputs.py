@@ -174,11 +174,14 @@ class GrammarMatchers:
     def apply_bitmask(self, logits: torch.Tensor, req_id_to_index: dict[str, int]) -> None:
         """Mask, in place, the logit rows of the constrained requests (``req_id_to_index`` maps a
         request to its row); other rows are left exactly as they are."""
-        if not self._matchers:
+        # A grammar that has ended masks nothing: its request ended (async scheduling runs it
+        # one more step, whose token the scheduler drops).
+        live = [(r, m) for r, m in self._matchers.items() if not m.is_terminated()]
+        if not live:
             return
-        rows = [req_id_to_index[req_id] for req_id in self._matchers]
+        rows = [req_id_to_index[req_id] for req_id, _ in live]
         bitmask = self._bitmask
-        self._batch.batch_fill_next_token_bitmask(list(self._matchers.values()), bitmask, rows)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, rows)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask[: logits.shape[0]].to(logits.device, non_blocking=True), indices=rows
         )
@@ -238,9 +241,13 @@ class GrammarMatchers:
         self, req_id_to_index: dict[str, int], sampled: Sequence[Sequence[int]]
     ) -> None:
         """Advance the constrained requests' matchers by the tokens they sampled this step
-        (``sampled[row]``; empty for a request still in prefill)."""
-        for req_id in self._matchers:
+        (``sampled[row]``; empty for a request still in prefill). A matcher whose grammar has
+        ended takes nothing: under async scheduling a request that ended runs one more step,
+        whose token the scheduler drops."""
+        for req_id, matcher in self._matchers.items():
             tokens = sampled[req_id_to_index[req_id]]
+            if matcher.is_terminated():
+                continue
             accepted = self.accept_tokens(req_id, tokens)
             if accepted < len(tokens):
                 logger.warning(

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import deque
 
 import msgspec
 import torch
@@ -71,6 +72,7 @@ class MultiprocExecutor:
         self.processes: list[subprocess.Popen] = []
         self._finalizer = weakref.finalize(self, _stop, self.processes, 0.0)
         self._failed = False
+        self._in_flight: deque[StepOutput] = deque()  # steps sent, outputs not received
         self.vocab_size = model_vocab_size(config.model)
         self.grammar_compiler = make_grammar_compiler(config, self.vocab_size)
         try:
@@ -122,16 +124,26 @@ class MultiprocExecutor:
         self._commands.send_multipart([proto.KV_BLOCKS, str(num_blocks).encode()])
         return num_blocks
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | StepOutput:
+        """Send a step to the workers; with ``non_block`` return before its output comes
+        (``StepOutput.result()`` receives it; the workers run steps in the order sent)."""
         if self._failed or not self.processes:
             raise WorkerFailedError("the executor's workers have failed or been shut down")
         self._commands.send_multipart([proto.STEP, self._encoder.encode(scheduler_output)])
+        step = StepOutput(self)
+        self._in_flight.append(step)
+        return step if non_block else step.result()
+
+    def _receive_output(self) -> None:
+        """Receive the output of the oldest step in flight."""
         while not self._results.poll(_POLL_MS):
             self._check_alive("in a step")
         kind, rank, payload = self._results.recv_multipart(copy=False)
         if kind.bytes != proto.OUTPUT:
             self._raise_failed(kind.bytes, rank.bytes, payload.bytes, "in a step")
-        return self._output_decoder.decode(payload.buffer)
+        self._in_flight.popleft().output = self._output_decoder.decode(payload.buffer)
 
     def _check_alive(self, when: str) -> None:
         for rank, process in enumerate(self.processes):
@@ -165,6 +177,22 @@ class MultiprocExecutor:
         self._context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.grammar_compiler.shutdown()
+
+
+class StepOutput:
+    """The output of a step sent to the worker processes, received when first asked for
+    (after the outputs of the steps sent before it: they come back in order)."""
+
+    __slots__ = ("_executor", "output")
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self.output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        while self.output is None:
+            self._executor._receive_output()
+        return self.output
 
 
 def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:

@@ -122,12 +122,20 @@ class RayExecutor:
             self.shutdown()
             raise
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | RayStepOutput:
+        """Run a step on every actor (each runs its steps in the order submitted); with
+        ``non_block`` return at once (``RayStepOutput.result()`` waits for the output)."""
         if not self.actors:
             raise WorkerFailedError("the executor's workers have failed or been shut down")
         shared = self._ray.put(self._encoder.encode(scheduler_output))
-        results = self._gather([a.execute_model.remote(shared) for a in self.actors], "in a step")
-        return self._decoder.decode(results[self._output_rank])
+        refs = [a.execute_model.remote(shared) for a in self.actors]
+        step = RayStepOutput(self, refs)
+        return step if non_block else step.result()
+
+    def _output_of(self, refs: list) -> ModelRunnerOutput:
+        return self._decoder.decode(self._gather(refs, "in a step")[self._output_rank])
 
     def _gather(self, refs: list, when: str) -> list:
         """Every rank's result in rank order; the first rank to fail raises, naming the rank."""
@@ -159,3 +167,17 @@ class RayExecutor:
         self.grammar_compiler.shutdown()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+class RayStepOutput:
+    """A step submitted to the actors; ``result()`` waits for every rank and decodes the
+    output rank's result."""
+
+    __slots__ = ("_executor", "_refs")
+
+    def __init__(self, executor: RayExecutor, refs: list) -> None:
+        self._executor = executor
+        self._refs = refs
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._output_of(self._refs)
