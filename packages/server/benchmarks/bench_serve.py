@@ -48,10 +48,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(port: int) -> tuple[subprocess.Popen, float]:
-    """Launch ``ember serve`` (demo model) and stream one token; (process, seconds to it)."""
+def _start_server(port: int, extra_flags: list[str] = ()) -> tuple[subprocess.Popen, float]:
+    """Launch ``ember serve`` (demo model, unless ``extra_flags`` name another) and stream one
+    token; (process, seconds to it)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     command = [sys.executable, "-m", "ember_server", "serve", f"--port={port}", *flags]
+    command += extra_flags
     command.append("--uvicorn-log-level=warning")
     start = time.perf_counter()
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from ember_server.engine_args import EngineArgs, parse_bytes
+from ember_server.engine_args import DEFAULT_ASYNC_SCHEDULING, EngineArgs, parse_bytes
 
 
 def test_cli_round_trip_sets_every_field():
@@ -14,7 +14,7 @@ def test_cli_round_trip_sets_every_field():
             "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
             "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
             "--num-threads", "3", "-tp", "2", "--pipeline-parallel-size", "3",
-            "--distributed-executor-backend", "ray",
+            "--distributed-executor-backend", "ray", "--no-async-scheduling",
         ]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(namespace)
@@ -35,8 +35,31 @@ def test_cli_round_trip_sets_every_field():
         tensor_parallel_size=2,
         pipeline_parallel_size=3,
         distributed_executor_backend="ray",
+        async_scheduling=False,
     )
     assert args.model_name == "tiny"
+    assert not args.use_async_scheduling
+
+
+def test_async_scheduling_default_and_the_settings_it_refuses():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args(["--model", "/m"])).async_scheduling is None
+    on = parser.parse_args(["--model", "/m", "--async-scheduling"])
+    assert EngineArgs.from_cli_args(on).use_async_scheduling
+    assert EngineArgs(model="/m").use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    # Left to its default, async scheduling turns itself off where it is not supported ...
+    assert not EngineArgs(model="/m", speculative_config=spec).use_async_scheduling
+    # ... and asked for, it is refused naming both settings.
+    with pytest.raises(ValueError, match="async_scheduling.*speculative_config"):
+        EngineArgs(model="/m", speculative_config=spec, async_scheduling=True)
+    tiers = {"kv_connector": "TieredConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"tiers": [{"type": "cpu", "max_bytes": 1 << 20}]}}  # fmt: skip
+    assert not EngineArgs(model="/m", kv_transfer_config=tiers).use_async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling.*kv_transfer_config"):
+        EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True)
+    with pytest.raises(ValueError, match="EngineArgs.async_scheduling"):
+        EngineArgs(model="/m", async_scheduling="yes")
 
 
 def test_defaults_derive_from_model():

@@ -15,6 +15,8 @@ _POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
 _EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# Whether ``async_scheduling`` is on when not given (README: measured in bench_async_scheduling).
+DEFAULT_ASYNC_SCHEDULING = False
 _BYTE_UNITS = {
     "": 1,
     "k": 1000,
@@ -89,6 +91,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
     # Engine cores behind one front end (``ember serve``), each with its own KV cache and workers.
     data_parallel_size: int = 1
+    # Schedule step n+1 while the model runs step n. None: on where it is supported and wins
+    # (``use_async_scheduling``).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -136,6 +141,30 @@ class EngineArgs:
             KVTransferConfig.from_dict(self.kv_transfer_config)
             if not self.enable_prefix_caching:
                 raise ValueError("EngineArgs.kv_transfer_config needs enable_prefix_caching")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
+            )
+        if self.async_scheduling and self._async_conflict() is not None:
+            raise ValueError(
+                f"EngineArgs.async_scheduling cannot be combined with {self._async_conflict()}"
+            )
+
+    def _async_conflict(self) -> str | None:
+        """The setting async scheduling does not support, if one is set."""
+        if self.speculative_config is not None:
+            return "speculative_config (the next step's drafts come from this step's output)"
+        if self.kv_transfer_config is not None:
+            return "kv_transfer_config (the KV connector's loads and saves are per step)"
+        return None
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """``async_scheduling``, or where None, its default: on unless a setting that does not
+        support it is set."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return DEFAULT_ASYNC_SCHEDULING and self._async_conflict() is None
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:
@@ -186,6 +215,14 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=True,
             help="Reuse the KV of shared prompt prefixes.",
+        )
+        group.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Schedule the next step while the model runs this one. Default: "
+            f"{'on' if DEFAULT_ASYNC_SCHEDULING else 'off'}, and off with speculative decoding or "
+            "a KV connector.",
         )
         group.add_argument(
             "--served-model-name", default=None, help="Model name in the API (default: --model)."

@@ -98,6 +98,7 @@ def make_engine_core(
         ),
         # Data-parallel front ends route by what each engine's prefix cache holds.
         enable_kv_events=args.data_parallel_size > 1 and args.enable_prefix_caching,
+        async_scheduling=args.use_async_scheduling,
     )
     engine_core = EngineCore(
         executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
