@@ -51,14 +51,14 @@ def test_async_scheduling_default_and_the_settings_it_refuses():
     # Left to its default, async scheduling turns itself off where it is not supported ...
     assert not EngineArgs(model="/m", speculative_config=spec).use_async_scheduling
     # ... and asked for, it is refused naming both settings.
-    with pytest.raises(ValueError, match="async_scheduling.*speculative_config"):
+    with pytest.raises(ValueError, match=r"async_scheduling.*speculative_config"):
         EngineArgs(model="/m", speculative_config=spec, async_scheduling=True)
     tiers = {"kv_connector": "TieredConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"tiers": [{"type": "cpu", "max_bytes": 1 << 20}]}}  # fmt: skip
     assert not EngineArgs(model="/m", kv_transfer_config=tiers).use_async_scheduling
-    with pytest.raises(ValueError, match="async_scheduling.*kv_transfer_config"):
+    with pytest.raises(ValueError, match=r"async_scheduling.*kv_transfer_config"):
         EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True)
-    with pytest.raises(ValueError, match="EngineArgs.async_scheduling"):
+    with pytest.raises(ValueError, match=r"EngineArgs\.async_scheduling"):
         EngineArgs(model="/m", async_scheduling="yes")
 
 
