@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.executor import InProcessExecutor
+from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.step_threads import StepThreads
 
 BLOCK = 4
@@ -67,6 +68,19 @@ def test_kv_blocks_come_from_the_memory_budget(llama):
     assert executor.block_size == BLOCK
     for cache in executor.model_runner.kv_caches[0]:
         assert cache.shape == (executor.num_kv_blocks, BLOCK, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_cache_is_zero_aligned_and_one_tensor_per_layer_and_side(dtype):
+    spec = KVCacheSpec(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=dtype)
+    caches = allocate_kv_cache(spec, 5, torch.device("cpu"))
+    tensors = [t for pair in caches for t in pair]
+    assert len(tensors) == 6
+    for t in tensors:
+        assert t.shape == (5, 4, 2, 8) and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 64 == 0 and not t.any()
+    tensors[0].fill_(1)  # writing one leaves every other untouched
+    assert all(not t.any() for t in tensors[1:])
 
 
 @pytest.mark.parametrize(
