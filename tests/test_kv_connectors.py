@@ -21,6 +21,7 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.llm import LLM
 
 CHUNK = 64
+BLOCK = 16  # the engine's default block size
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 KV_MEMORY = 1 << 23
 
@@ -129,9 +130,10 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_mode
                    kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
     tokens, cached = run(consumer, token_ids)
     assert tokens == expected
-    # The decode instance computes only the prompt's last, partial chunk.
-    assert cached == (300 - 1) // CHUNK * CHUNK == 256
-    assert metric(consumer, "ember:kv_connector_loaded_tokens") == 256
+    # The decode instance computes only the prompt's last, partial block: the whole chunks and
+    # the partial chunk's whole blocks (saved when the prefill request finished) are loaded.
+    assert cached == 300 // BLOCK * BLOCK == 288
+    assert metric(consumer, "ember:kv_connector_loaded_tokens") == 288
 
 
 def _stored_entries(path):
@@ -246,8 +248,27 @@ def test_each_layer_reads_the_cache_only_after_its_load_is_written(
     fresh = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
     num_layers = len(fresh.engine_core.executor.model_runner.kv_caches)
     tokens, cached = run(fresh, token_ids)
-    assert tokens == expected and cached == 256
+    assert tokens == expected and cached == 288
     assert events.count(("queued",)) == 1
     step = events[events.index(("queued",)) :]
     for layer in range(num_layers):
         assert step.index(("written", layer)) < step.index(("read", layer))
+
+
+def test_a_finished_request_saves_its_partial_chunk_then_frees_its_blocks(tiny_model, tmp_path):
+    model = str(tiny_model("qwen2"))
+    config = transfer_config("kv_both", disk(tmp_path / "kv"))
+    token_ids = prompt(300, seed=3)
+    first = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    kv = first.engine_core.kv_cache_manager
+    free_before = kv.num_free_blocks
+    tokens, _ = run(first, token_ids)
+    assert kv.num_free_blocks == free_before  # held for the save, freed once it was reported
+    first.engine_core.shutdown()
+    fresh = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    again, cached = run(fresh, token_ids)
+    assert again == tokens and cached == 288  # 4 chunks and 2 of the partial chunk's 2 blocks
+    fresh.engine_core.shutdown()
+    another = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    _, cached = run(another, token_ids + prompt(40, seed=5))
+    assert cached == 288  # a longer prompt finds the same partial key

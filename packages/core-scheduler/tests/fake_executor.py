@@ -194,33 +194,44 @@ class FakeExecutor:
             kv_connector_output=kv_connector_output,
         )
 
-    def _chunk_slots(self, transfer, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _chunk_slots(
+        self, transfer, index: int, num_tokens: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Slots of chunk ``index`` (its first ``num_tokens`` tokens, all by default)."""
         chunk_size = self.kv_transfer_store.fingerprint.chunk_size
-        positions = np.arange(index * chunk_size, (index + 1) * chunk_size)
+        start = index * chunk_size
+        positions = np.arange(start, start + (num_tokens or chunk_size))
         table = np.asarray(transfer.block_ids, dtype=np.int64)
         return table[positions // self.block_size], positions % self.block_size
 
     def _transfer_kv(self, meta, step: int) -> KVConnectorOutput:
-        """Save the step's completed chunks; finish the loads that are due."""
+        """Save the step's chunks (a finished request's partial one reported as saved); finish
+        the loads that are due."""
         store = self.kv_transfer_store
-        for transfer in meta.saves:
-            for offset, chunk_hash in enumerate(transfer.chunk_hashes):
-                store.put(
-                    chunk_hash, self.kv[self._chunk_slots(transfer, transfer.first_chunk + offset)]
-                )
         output = KVConnectorOutput()
+        for transfer in meta.saves:
+            partial_tokens = transfer.partial_blocks * self.block_size or None
+            for offset, chunk_hash in enumerate(transfer.chunk_hashes):
+                slots = self._chunk_slots(transfer, transfer.first_chunk + offset, partial_tokens)
+                store.put(chunk_hash, self.kv[slots])
+            if transfer.partial_blocks:
+                output.finished_saving.append(transfer.request_id)
         due = [t for ready, t in self._loads if ready <= step]
         self._loads = [(ready, t) for ready, t in self._loads if ready > step]
         chunk_size = store.fingerprint.chunk_size
         for transfer in due:
             in_place = transfer.first_chunk * chunk_size + transfer.skip_tokens
+            last = len(transfer.chunk_hashes) - 1
             for offset, chunk_hash in enumerate(transfer.chunk_hashes):
                 chunk = store.get(chunk_hash)
                 if chunk is None:
                     break
                 index = transfer.first_chunk + offset
-                self.kv[self._chunk_slots(transfer, index)] = chunk
-                in_place = (index + 1) * chunk_size
+                num_tokens = chunk_size
+                if offset == last and transfer.partial_blocks:
+                    num_tokens = transfer.partial_blocks * self.block_size
+                self.kv[self._chunk_slots(transfer, index, num_tokens)] = chunk[:num_tokens]
+                in_place = index * chunk_size + num_tokens
             output.finished_loading[transfer.request_id] = in_place
         return output
 

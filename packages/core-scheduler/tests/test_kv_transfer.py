@@ -56,10 +56,11 @@ def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail(
     results, stats = run_to_completion(second)
     for rid, prompt in prompts.items():
         assert results[rid].token_ids == reference_output(prompt, PARAMS, 256)[0]
-        assert results[rid].num_cached_tokens == 24  # 3 whole chunks of the 29-token prompt
-        assert _computed_tokens(executor, rid) == 29 - 24 + len(results[rid].token_ids) - 1
+        # 3 whole chunks of the 29-token prompt and the whole block of its partial chunk
+        assert results[rid].num_cached_tokens == 28
+        assert _computed_tokens(executor, rid) == 29 - 28 + len(results[rid].token_ids) - 1
     loaded = sum(s.kv_connector_stats.loaded_tokens for s in stats)
-    assert loaded == 3 * 24
+    assert loaded == 3 * 28
     assert second.kv_cache_manager.usage == 0.0
 
 
@@ -85,7 +86,7 @@ def test_a_loading_request_waits_without_blocking_others():
     assert results["loads"].token_ids == reference_output(prompt, PARAMS, 256)[0]
     other = first_step.new_token_ids + results["other"].token_ids
     assert other == reference_output([5, 6, 7], PARAMS, 256)[0]
-    assert results["loads"].num_cached_tokens == 24
+    assert results["loads"].num_cached_tokens == 28
     assert engine.kv_cache_manager.usage == 0.0
 
 
@@ -121,4 +122,23 @@ def test_chunked_prefill_saves_every_chunk_once():
     run_to_completion(engine)
     saved = [h for so in executor.scheduler_outputs for t in so.kv_connector_metadata.saves
              for h in t.chunk_hashes]  # fmt: skip
-    assert len(saved) == len(set(saved)) == (45 + PARAMS.max_tokens - 1) // CHUNK
+    # Every whole chunk computed, then the prompt's partial chunk (its 2 whole blocks of 3).
+    assert len(saved) == len(set(saved)) == (45 + PARAMS.max_tokens - 1) // CHUNK + 1
+
+
+def test_a_finished_request_holds_its_blocks_until_its_partial_chunk_is_saved():
+    store = _store()
+    prompt = _prompts(1)["r0"]
+    engine, executor = _engine(store, role="kv_producer")
+    free = engine.kv_cache_manager.num_free_blocks
+    engine.add_request(make_request("r", prompt, SamplingParams(max_tokens=1)))
+    [out] = engine.step().outputs
+    assert out.finish_reason is not None
+    assert engine.kv_cache_manager.num_free_blocks < free  # held: the save is not done yet
+    assert engine.has_unfinished_requests()
+    engine.abort_requests("r")  # already finished: nothing changes, the save still runs
+    run_to_completion(engine)
+    [save] = executor.scheduler_outputs[-1].kv_connector_metadata.saves
+    assert (save.first_chunk, save.partial_blocks) == (3, 1)
+    assert engine.kv_cache_manager.num_free_blocks == free
+    assert not engine.scheduler.kv_transfer.saving

@@ -116,7 +116,37 @@ def test_consumer_saves_nothing_and_loaded_chunks_are_not_saved_again():
     both.update_state_after_alloc("r", [1, 2], 8)
     meta = both.build_connector_meta([("r", tokens, 16)], lambda r: [1, 2, 3, 4])
     assert [s.first_chunk for s in meta.saves] == [1]
-    assert both.update_connector_output(KVConnectorOutput({"r": 8})) == {"r": 8}
+    assert both.update_connector_output(KVConnectorOutput({"r": 8})) == ({"r": 8}, [])
+    assert both.build_connector_meta([], lambda r: []).writes == ["r"]
+
+
+def test_a_finished_request_saves_its_prompts_partial_chunk_and_a_lookup_finds_it():
+    conn = connector()
+    prompt = list(range(100, 122))  # 2 whole chunks, then 1 whole block and 2 tokens
+    hashes = BlockHasher(BLOCK).hash_prefix(prompt)
+    conn.get_num_new_matched_tokens("r", prompt, 0)
+    conn.update_state_after_alloc("r", [], 0)
+    conn.build_connector_meta([("r", prompt, 22)], lambda r: list(range(1, 7)))
+    # Finished: block 4 (tokens 16-20) is the prompt's last whole block, in partial chunk 2.
+    assert conn.request_finished("r", prompt, 25, list(range(1, 8))) == (True, None)
+    [save] = conn.build_connector_meta([], lambda r: []).saves
+    assert (save.first_chunk, save.chunk_hashes, save.partial_blocks) == (2, [hashes[4]], 1)
+    assert save.block_ids == list(range(1, 8))
+    conn.store.put(hashes[1], np.zeros(1))
+    conn.store.put(hashes[3], np.zeros(1))
+    conn.store.put(hashes[4], np.zeros(1))
+    # Already stored: nothing to save, nothing to wait for.
+    conn.get_num_new_matched_tokens("again", prompt, 0)
+    assert conn.request_finished("again", prompt, 22, [1]) == (False, None)
+    # An identical prompt loads both chunks and the partial one's block: 20 of 22 tokens.
+    assert conn.get_num_new_matched_tokens("s", prompt, 0) == (20, True)
+    conn.update_state_after_alloc("s", list(range(1, 6)), 20)
+    [load] = conn.build_connector_meta([], lambda r: []).loads
+    assert (load.chunk_hashes, load.partial_blocks) == ([hashes[1], hashes[3], hashes[4]], 1)
+    # A prompt ending in that block (20 tokens) may take none of it: one token stays to compute.
+    assert conn.get_num_new_matched_tokens("t", prompt[:20], 0) == (16, True)
+    # Another tail after the same whole chunks misses the partial key.
+    assert conn.get_num_new_matched_tokens("u", prompt[:16] + [7] * 6, 0) == (16, True)
 
 
 def test_delay_cache_blocks_caches_only_once_the_tokens_count_as_computed():

@@ -156,7 +156,7 @@ class EngineCore:
         if not scheduler.running and not scheduler.waiting:
             # Only requests waiting for their grammars, if any: wait a little for the first.
             scheduler.poll_grammars(_GRAMMAR_WAIT_S)
-            if not scheduler.waiting and not scheduler.has_kv_loads():
+            if not scheduler.waiting and not scheduler.has_kv_transfers():
                 return self._with_kv_events(scheduler.take_pending_outputs())
         scheduler_output = scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)

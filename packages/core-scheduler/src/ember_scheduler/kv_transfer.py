@@ -4,7 +4,8 @@ A waiting request whose prompt continues, past the local prefix hit, in the conn
 store gets blocks for those tokens and waits in ``WAITING_FOR_REMOTE_KVS`` (outside the waiting
 queue, so others keep being admitted) while the worker loads them. When the worker reports the
 load, the tokens it placed count as computed and the request goes back to the front of the
-waiting queue; what could not be loaded is computed as usual.
+waiting queue; what could not be loaded is computed as usual. A request that finishes while the
+connector saves its last partial chunk keeps its blocks until the worker reports that save.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class KVTransferScheduling:
         self.connector = connector
         self.kv_cache_manager = kv_cache_manager
         self.loading: dict[str, Request] = {}
+        self.saving: set[str] = set()  # finished requests whose blocks wait for a save
 
     def start_load(self, request: Request, computed: ComputedBlocks) -> bool | None:
         """After a waiting request's local prefix lookup: True if it now waits for tokens from
@@ -58,11 +60,16 @@ class KVTransferScheduling:
         self.loading[req_id] = request
         return True
 
-    def finish_loads(self, output: KVConnectorOutput | None) -> list[Request]:
+    def update_from_output(self, output: KVConnectorOutput | None) -> list[Request]:
         """Requests whose load ended, ready to be scheduled, with their loaded tokens counted
-        as computed (and cached). Requests aborted while loading are freed now."""
+        as computed (and cached). Requests aborted while loading, and finished requests whose
+        save ended, are freed now."""
+        loaded, saved = self.connector.update_connector_output(output)
+        for req_id in saved:
+            self.saving.discard(req_id)
+            self.kv_cache_manager.free(req_id)
         ready = []
-        for req_id, num_tokens in self.connector.update_connector_output(output).items():
+        for req_id, num_tokens in loaded.items():
             request = self.loading.pop(req_id, None)
             if request is None:
                 continue
@@ -92,7 +99,27 @@ class KVTransferScheduling:
         )
 
     def request_finished(self, request: Request) -> None:
+        """An aborted request: forget it (its blocks are freed by the caller)."""
         self.connector.request_finished(request.request_id)
+
+    def free_after_save(self, request: Request) -> None:
+        """A request that ended normally: free its blocks now, or once the connector has
+        saved its last partial chunk."""
+        req_id = request.request_id
+        delay, _ = self.connector.request_finished(
+            req_id,
+            request.prompt_token_ids,
+            request.num_computed_tokens,
+            self.kv_cache_manager.get_block_ids(req_id),
+        )
+        if delay:
+            self.saving.add(req_id)
+        else:
+            self.kv_cache_manager.free(req_id)
+
+    def has_transfers(self) -> bool:
+        """Whether requests wait for a load, or finished ones for a save."""
+        return bool(self.loading) or bool(self.saving)
 
     def take_stats(self) -> KVConnectorStats:
         return self.connector.take_stats()

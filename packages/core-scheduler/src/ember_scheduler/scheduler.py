@@ -192,13 +192,14 @@ class Scheduler:
             bool(self.running)
             or bool(self.waiting)
             or bool(self.waiting_for_grammar)
-            or self.has_kv_loads()
+            or self.has_kv_transfers()
             or bool(self._pending_outputs)
         )
 
-    def has_kv_loads(self) -> bool:
-        """Whether requests wait for a KV connector to load their KV."""
-        return self.kv_transfer is not None and bool(self.kv_transfer.loading)
+    def has_kv_transfers(self) -> bool:
+        """Whether requests wait for a KV connector to load their KV, or finished requests for
+        it to save theirs (the engine keeps stepping for either)."""
+        return self.kv_transfer is not None and self.kv_transfer.has_transfers()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -580,18 +581,21 @@ class Scheduler:
 
         if finished:
             for request in finished:
-                self.kv_cache_manager.free(request.request_id)
+                if self.kv_transfer is None:
+                    self.kv_cache_manager.free(request.request_id)
+                else:
+                    self.kv_transfer.free_after_save(request)
                 del self.requests[request.request_id]
                 self.finished_req_ids.add(request.request_id)
-                if self.kv_transfer is not None:
-                    self.kv_transfer.request_finished(request)
             self.running = [r for r in self.running if r.status == _RUNNING]
         for request in finished_preempted:
             # Its blocks were freed and the worker dropped it when it was preempted.
             self.waiting.remove_request(request)
             del self.requests[request.request_id]
         if self.kv_transfer is not None:
-            for request in self.kv_transfer.finish_loads(model_runner_output.kv_connector_output):
+            for request in self.kv_transfer.update_from_output(
+                model_runner_output.kv_connector_output
+            ):
                 self.waiting.prepend_request(request)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time()

@@ -10,7 +10,10 @@ Loads run in two parts. The fetch is asynchronous: a request whose chunks are fo
 engine's own status) while the worker reads and checks them, and its fetched tokens count as
 computed once the worker reports them. The write into its blocks then runs inside the next step's
 forward, layer by layer (each attention layer waits for its own), so no forward reads a block
-before it is written. Saves are of whole computed chunks, in the step that completes them.
+before it is written. Saves are of whole computed chunks, in the step that completes them; when
+a request finishes, the whole blocks of its last, partial chunk are saved too (its blocks are
+freed once the worker reports that save), keyed by the chain hash of their last block, and a
+lookup tries that partial key where the whole chunks stop.
 """
 
 from __future__ import annotations
@@ -92,11 +95,13 @@ class KVTransferConfig:
 
 @dataclass
 class ChunkTransfer:
-    """Whole chunks of one request to move between its blocks and the store.
+    """Chunks of one request to move between its blocks and the store.
 
     Chunk ``first_chunk + i`` covers tokens ``[(first_chunk + i) * chunk_size, ...)`` and is
     stored under ``chunk_hashes[i]``; ``block_ids`` is the request's block table. A load skips
-    the first ``skip_tokens`` tokens of its first chunk (already in the request's blocks).
+    the first ``skip_tokens`` tokens of its first chunk (already in the request's blocks). With
+    ``partial_blocks``, the last chunk is a partial one: a save stores that many blocks of it, a
+    load uses that many blocks of the stored entry (which may hold more).
     """
 
     request_id: str
@@ -104,6 +109,7 @@ class ChunkTransfer:
     chunk_hashes: list[bytes]
     block_ids: list[int]
     skip_tokens: int = 0
+    partial_blocks: int = 0
 
 
 @dataclass
@@ -121,9 +127,11 @@ class KVConnectorMetadata:
 @dataclass
 class KVConnectorOutput:
     """What the worker side finished: for each request whose fetch ended, how many of its
-    tokens it holds ready to write (less than asked where a chunk was missing or damaged)."""
+    tokens it holds ready to write (less than asked where a chunk was missing or damaged); and
+    the finished requests whose last partial chunk is saved (their blocks may be freed)."""
 
     finished_loading: dict[str, int] = field(default_factory=dict)
+    finished_saving: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -170,6 +178,7 @@ class TieredConnectorScheduler:
         self._loads: list[ChunkTransfer] = []
         self._writes: list[str] = []
         self._discards: list[str] = []
+        self._finish_saves: list[ChunkTransfer] = []
         self._stats = KVConnectorStats()
 
     def get_num_new_matched_tokens(
@@ -180,8 +189,9 @@ class TieredConnectorScheduler:
         extras: BlockHashExtras | None = None,
     ) -> tuple[int, bool]:
         """Tokens past ``num_computed_tokens`` (the local prefix hit) that the store can
-        provide, in whole chunks and leaving at least one token to compute, and whether they
-        load asynchronously (always, here). Starts the request's connector state."""
+        provide, in whole chunks and then the whole blocks of one partial chunk, leaving at
+        least one token to compute, and whether they load asynchronously (always, here).
+        Starts the request's connector state."""
         state = _RequestChunks(extras, num_computed_tokens // self.chunk_size)
         self._requests[request_id] = state
         if not self.config.is_consumer:
@@ -194,11 +204,17 @@ class TieredConnectorScheduler:
             if not self.store.contains(chunk_hash):
                 break
             hashes.append(chunk_hash)
-        num_matched = (first + len(hashes)) * size - num_computed_tokens if hashes else 0
+        end_chunk = first + len(hashes)
+        partial_hash, partial_blocks = self._find_partial(state, token_ids, end_chunk)
+        if partial_blocks:
+            hashes.append(partial_hash)
+        matched_end = end_chunk * size + partial_blocks * self.hasher.block_size
+        num_matched = max(0, matched_end - num_computed_tokens)
         self._stats.lookup_tokens += len(token_ids) - num_computed_tokens
         self._stats.matched_tokens += num_matched
         if num_matched:
-            state.pending_load = (first, hashes, num_computed_tokens - first * size)
+            skip = num_computed_tokens - first * size
+            state.pending_load = (first, hashes, skip, partial_blocks)
         return num_matched, num_matched > 0
 
     def update_state_after_alloc(
@@ -207,9 +223,11 @@ class TieredConnectorScheduler:
         """The request now holds ``block_ids``; with external tokens, queue their load."""
         state = self._requests[request_id]
         if num_external_tokens and state.pending_load is not None:
-            first, hashes, skip = state.pending_load
-            self._loads.append(ChunkTransfer(request_id, first, hashes, list(block_ids), skip))
-            state.next_save_chunk = first + len(hashes)
+            first, hashes, skip, partial_blocks = state.pending_load
+            self._loads.append(
+                ChunkTransfer(request_id, first, hashes, list(block_ids), skip, partial_blocks)
+            )
+            state.next_save_chunk = first + len(hashes) - (partial_blocks > 0)
         state.pending_load = None
 
     def build_connector_meta(
@@ -220,8 +238,13 @@ class TieredConnectorScheduler:
         """This step's metadata: the loads queued since the last step, and saves of the chunks
         that ``scheduled`` completes. Each entry is ``(request_id, token_ids,
         num_computed_tokens after this step)``; ``block_ids_of`` gives a request's block table."""
-        meta = KVConnectorMetadata(loads=self._loads, writes=self._writes, discards=self._discards)
-        self._loads, self._writes, self._discards = [], [], []
+        meta = KVConnectorMetadata(
+            loads=self._loads,
+            writes=self._writes,
+            discards=self._discards,
+            saves=self._finish_saves,
+        )
+        self._loads, self._writes, self._discards, self._finish_saves = [], [], [], []
         if not self.config.is_producer:
             return meta
         size = self.chunk_size
@@ -240,23 +263,46 @@ class TieredConnectorScheduler:
             state.next_save_chunk = end
         return meta
 
-    def update_connector_output(self, output: KVConnectorOutput | None) -> dict[str, int]:
-        """The requests whose fetch finished, with the tokens they will have in their blocks;
-        their writes go out with the next step's metadata."""
+    def update_connector_output(
+        self, output: KVConnectorOutput | None
+    ) -> tuple[dict[str, int], list[str]]:
+        """The requests whose fetch finished, with the tokens they will have in their blocks
+        (their writes go out with the next step's metadata), and the finished requests whose
+        last partial chunk is saved."""
         if output is None:
-            return {}
+            return {}, []
         self._writes.extend(output.finished_loading)
-        return output.finished_loading
+        return output.finished_loading, output.finished_saving
 
-    def request_finished(self, request_id: str) -> tuple[bool, dict | None]:
-        """Forget the request (a fetched load not yet written is dropped). Returns (delay
-        freeing its blocks, transfer params): saves are copied out within the step that
-        computes them, so blocks never need to wait."""
-        self._requests.pop(request_id, None)
+    def request_finished(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        num_computed_tokens: int = 0,
+        block_ids: Sequence[int] = (),
+    ) -> tuple[bool, dict | None]:
+        """Forget the request (a fetched load not yet written is dropped). Given its prompt
+        (``token_ids``), computed tokens and blocks (a request that ended normally), a producer
+        saves the whole blocks of the prompt's last, partial chunk, unless stored already: the
+        key a later identical or longer prompt looks up. Returns (delay freeing its blocks until
+        the worker reports that save in ``finished_saving``, transfer params)."""
+        state = self._requests.pop(request_id, None)
         if request_id in self._writes:
             self._writes.remove(request_id)
             self._discards.append(request_id)
-        return False, None
+        if state is None or token_ids is None or not self.config.is_producer:
+            return False, None
+        num_blocks = min(num_computed_tokens, len(token_ids)) // self.hasher.block_size
+        index, partial_blocks = divmod(num_blocks, self._blocks_per_chunk)
+        if not partial_blocks:
+            return False, None
+        key = self._block_hash(state, token_ids, num_blocks - 1)
+        if self.store.contains(key):
+            return False, None
+        self._finish_saves.append(
+            ChunkTransfer(request_id, index, [key], list(block_ids), partial_blocks=partial_blocks)
+        )
+        return True, None
 
     def record_loaded(self, num_tokens: int) -> None:
         self._stats.loaded_tokens += num_tokens
@@ -267,10 +313,33 @@ class TieredConnectorScheduler:
         self._stats = KVConnectorStats()
         return stats
 
+    def _find_partial(
+        self, state: _RequestChunks, token_ids: Sequence[int], index: int
+    ) -> tuple[bytes, int]:
+        """The key of the longest stored partial chunk ``index`` that the prompt's whole blocks
+        name, and how many of its blocks the prompt can take (leaving one token to compute);
+        ``(b"", 0)`` when there is none."""
+        first_block = index * self._blocks_per_chunk
+        block_size = self.hasher.block_size
+        usable = (len(token_ids) - 1) // block_size - first_block
+        if usable <= 0:
+            return b"", 0
+        longest = min(self._blocks_per_chunk - 1, len(token_ids) // block_size - first_block)
+        for num_blocks in range(longest, 0, -1):
+            key = self._block_hash(state, token_ids, first_block + num_blocks - 1)
+            if self.store.contains(key):
+                return key, min(num_blocks, usable)
+        return b"", 0
+
     def _chunk_hash(self, state: _RequestChunks, token_ids: Sequence[int], index: int) -> bytes:
-        """The chain hash of chunk ``index``'s last block, hashing blocks as far as needed."""
+        """The chain hash of chunk ``index``'s last block."""
+        return self._block_hash(state, token_ids, (index + 1) * self._blocks_per_chunk - 1)
+
+    def _block_hash(
+        self, state: _RequestChunks, token_ids: Sequence[int], last_block: int
+    ) -> bytes:
+        """The chain hash of block ``last_block``, hashing blocks as far as needed."""
         hashes = state.block_hashes
-        last_block = (index + 1) * self._blocks_per_chunk - 1
         size = self.hasher.block_size
         parent = hashes[-1] if hashes else self.hasher.root_hash
         extras = state.extras

@@ -236,6 +236,12 @@ class LLM:
                 if processed.request_outputs and use_tqdm:
                     elapsed = progress.format_dict["elapsed"] or 1e-9
                     progress.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+        # A KV connector may still save what finished requests computed: finish that too, so
+        # that it is stored when this call returns.
+        while self.engine_core.has_unfinished_requests():
+            outputs = self.engine_core.step()
+            if outputs.scheduler_stats is not None:
+                self.metrics.record_scheduler_stats(outputs.scheduler_stats)
 
     def _abort_unfinished(self, order: dict[str, int]) -> None:
         engine_ids, _ = self.output_processor.abort_requests(list(order))

@@ -131,7 +131,10 @@ class TieredConnectorWorker:
                 for layer in range(len(self.kv_caches))
             ]
         if meta.saves:
-            self._save_buffers = [self._new_buffer(len(t.chunk_hashes)) for t in meta.saves]
+            self._save_buffers = [
+                self._new_buffer(len(t.chunk_hashes), t.partial_blocks or self.blocks_per_chunk)
+                for t in meta.saves
+            ]
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Block until this step's writes of layer ``layer`` are in the paged cache."""
@@ -148,12 +151,8 @@ class TieredConnectorWorker:
         """Put this step's saved chunks into the store (the paged blocks are free to reuse)."""
         for copy in self._layer_saves:
             copy.result()
-        spec = self.spec
         for transfer, buffer in zip(self._metadata.saves, self._save_buffers):
-            chunks = buffer.view(
-                len(transfer.chunk_hashes), spec.num_layers, 2, self.chunk_size,
-                spec.num_kv_heads, spec.head_size,
-            )  # fmt: skip
+            chunks = buffer.flatten(3, 4)  # [chunks, layers, 2, tokens, heads, head_size]
             for chunk_hash, chunk in zip(transfer.chunk_hashes, chunks):
                 self.store.put(chunk_hash, _as_numpy(chunk))
 
@@ -189,6 +188,7 @@ class TieredConnectorWorker:
                     self.save_kv_layer(layer)
             self.wait_for_save()
         output = self.get_finished(wait=idle)
+        output.finished_saving = [t.request_id for t in self._metadata.saves if t.partial_blocks]
         self.clear_connector_metadata()
         return output
 
@@ -199,17 +199,17 @@ class TieredConnectorWorker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _new_buffer(self, num_chunks: int) -> torch.Tensor:
+    def _new_buffer(self, num_chunks: int, blocks_per_chunk: int) -> torch.Tensor:
         spec = self.spec
         return torch.empty(
-            num_chunks, spec.num_layers, 2, self.blocks_per_chunk, spec.block_size,
+            num_chunks, spec.num_layers, 2, blocks_per_chunk, spec.block_size,
             spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
         )  # fmt: skip
 
     def _chunk_block_ids(self, transfer: ChunkTransfer, device: torch.device) -> torch.Tensor:
         per_chunk = self.blocks_per_chunk
         start = transfer.first_chunk * per_chunk
-        end = start + len(transfer.chunk_hashes) * per_chunk
+        end = start + (transfer.partial_blocks or len(transfer.chunk_hashes) * per_chunk)
         return torch.tensor(transfer.block_ids[start:end], dtype=torch.long, device=device)
 
     @torch.inference_mode()  # the runner's tensors are inference tensors; threads start outside
@@ -227,26 +227,47 @@ class TieredConnectorWorker:
         spec = self.spec
         size = self.chunk_size
         in_place = transfer.first_chunk * size + transfer.skip_tokens
-        expected = (spec.num_layers, 2, size, spec.num_kv_heads, spec.head_size)
+        per_chunk = self.blocks_per_chunk
+        last = len(transfer.chunk_hashes) - 1
         fetched = []
         try:
             for offset, chunk_hash in enumerate(transfer.chunk_hashes):
+                num_blocks = per_chunk
+                if offset == last and transfer.partial_blocks:
+                    num_blocks = transfer.partial_blocks
                 chunk = self.store.get(chunk_hash)
-                if not isinstance(chunk, np.ndarray) or chunk.shape != expected:
+                if not self._holds(chunk, num_blocks, partial=num_blocks < per_chunk):
                     break
                 index = transfer.first_chunk + offset
                 skip_blocks = transfer.skip_tokens // spec.block_size if offset == 0 else 0
-                per_chunk = self.blocks_per_chunk
-                block_ids = transfer.block_ids[
-                    index * per_chunk + skip_blocks : (index + 1) * per_chunk
-                ]
+                start = index * per_chunk
+                block_ids = transfer.block_ids[start + skip_blocks : start + num_blocks]
                 fetched.append(self._fetched_chunk(chunk, block_ids, skip_blocks))
-                in_place = (index + 1) * size
+                in_place = index * size + num_blocks * spec.block_size
         except Exception:
             logger.exception(
                 "KV load of request %s failed; the rest is recomputed", transfer.request_id
             )
         return in_place, fetched
+
+    def _holds(self, chunk: object, num_blocks: int, partial: bool) -> bool:
+        """Whether a stored entry is a chunk of this layout with at least ``num_blocks`` blocks
+        (a whole chunk, or a partial one of fewer blocks than a chunk)."""
+        spec = self.spec
+        if not isinstance(chunk, np.ndarray) or chunk.ndim != 5:
+            return False
+        tokens = chunk.shape[2]
+        layout = (chunk.shape[:2], chunk.shape[3:]) == (
+            (spec.num_layers, 2),
+            (spec.num_kv_heads, spec.head_size),
+        )
+        if not partial:
+            return layout and tokens == self.chunk_size
+        return (
+            layout
+            and tokens % spec.block_size == 0
+            and num_blocks * spec.block_size <= tokens < self.chunk_size
+        )
 
     def _fetched_chunk(
         self, chunk: np.ndarray, block_ids: list[int], skip_blocks: int
@@ -258,9 +279,8 @@ class TieredConnectorWorker:
         if spec.dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
         blocks = tensor.view(
-            spec.num_layers, 2, self.blocks_per_chunk, spec.block_size, spec.num_kv_heads,
-            spec.head_size,
-        )[:, :, skip_blocks:]  # fmt: skip
+            spec.num_layers, 2, -1, spec.block_size, spec.num_kv_heads, spec.head_size
+        )[:, :, skip_blocks : skip_blocks + len(block_ids)]
         device = self.kv_caches[0][0].device
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
         return _FetchedChunk(index, blocks)
