@@ -142,3 +142,18 @@ def test_a_finished_request_holds_its_blocks_until_its_partial_chunk_is_saved():
     assert (save.first_chunk, save.partial_blocks) == (3, 1)
     assert engine.kv_cache_manager.num_free_blocks == free
     assert not engine.scheduler.kv_transfer.saving
+
+
+def test_abort_after_the_load_before_the_first_step_frees_the_blocks():
+    store, prompt = _stored_prompt()
+    engine, executor = _engine(store)
+    engine.add_request(make_request("r", prompt, PARAMS))
+    engine.step()  # the load is reported: the request waits, its loaded tokens computed
+    request = engine.scheduler.requests["r"]
+    assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 28
+    engine.abort_requests("r")
+    assert engine.kv_cache_manager.usage == 0.0
+    engine.add_request(make_request("s", [5, 6, 7], PARAMS))
+    run_to_completion(engine)
+    assert executor.scheduler_outputs[1].kv_connector_metadata.discards == ["r"]
+    assert engine.kv_cache_manager.usage == 0.0
