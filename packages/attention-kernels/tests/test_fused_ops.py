@@ -143,3 +143,38 @@ def test_compiled_rotary_rejects_positions_outside_the_cache():
     query = torch.randn(2, 2, 64)
     with pytest.raises(ValueError, match="positions: position 16 of token 1"):
         cpu_ops.rotary_embedding(torch.tensor([3, 16]), query, None, rope.cos_sin_cache, True)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+def test_compiled_ops_split_over_threads_match_the_float64_references():
+    """Inputs past the one-thread threshold (32K elements), on two threads."""
+    gen, seed = fresh_generator()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(300, 512, generator=gen)
+        residual = torch.randn(300, 512, generator=gen)
+        weight = torch.rand(512, generator=gen) + 0.5
+        expected = rms_norm_reference(x.double(), weight.double(), 1e-6)
+        assert_matches(cpu_ops.rms_norm(x, weight, 1e-6), expected, torch.float32, seed)
+        normed, total = cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        assert_matches(total, x.double() + residual.double(), torch.float32, seed)
+        assert_matches(normed, rms_norm_reference(total.double(), weight.double(), 1e-6),
+                       torch.float32, seed)  # fmt: skip
+        assert_matches(cpu_ops.silu_and_mul(x), silu_and_mul_reference(x.double()), torch.float32,
+                       seed)  # fmt: skip
+        key = torch.randn(300, 2, 64, generator=gen)
+        value = torch.randn(300, 2, 64, generator=gen)
+        slots = torch.randperm(40 * 16, generator=gen)[:300]
+        caches = [torch.zeros(40, 16, 2, 64) for _ in range(4)]
+        reshape_and_cache_reference(key, value, caches[0], caches[1], slots)
+        cpu_ops.reshape_and_cache(key, value, caches[2], caches[3], slots)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        rope = ek.RotaryEmbedding(64, 64, 4096, 10000.0)
+        positions = torch.randint(0, 4096, (300,), generator=gen)
+        query = torch.randn(300, 4, 64, generator=gen)
+        args = (positions, query, key, rope.cos_sin_cache, True)
+        for got, want in zip(cpu_ops.rotary_embedding(*args), torch_ops.rotary_embedding(*args)):
+            assert torch.equal(got, want), f"seed {seed}"  # fp32: bit for bit
+    finally:
+        torch.set_num_threads(threads)
