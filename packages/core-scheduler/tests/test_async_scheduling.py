@@ -201,3 +201,15 @@ def test_prompt_logprobs_survive_a_preemption_with_a_chunk_in_flight():
 def test_async_scheduling_refuses_speculative_decoding():
     with pytest.raises(ValueError, match="async_scheduling"):
         SchedulerConfig(async_scheduling=True, num_lookahead_tokens=2)
+
+
+def test_an_engine_whose_last_request_stopped_holds_no_step_in_flight():
+    prompt, _ = _eos_prompt()
+    engine = _engine(FakeExecutor(64, 4))
+    engine.add_request(make_request("a", prompt, SamplingParams(max_tokens=40)))
+    results: dict = {}
+    while "a" not in results or results["a"].finish_reason is None:
+        collect(engine.step(), results)
+    assert results["a"].finish_reason == "stop"
+    # The step scheduled after the stop ran; its output was waited for and dropped.
+    assert not engine.has_unfinished_requests() and not engine.batch_queue

@@ -147,6 +147,7 @@ class EngineCore:
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests as aborted and free their KV blocks now; unknown ids are skipped."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._wait_for_steps_if_idle()
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model once, and return what changed (empty when idle)."""
@@ -186,7 +187,16 @@ class EngineCore:
             return self._with_kv_events(scheduler.take_pending_outputs())
         future, scheduler_output = queue.popleft()
         outputs = scheduler.update_from_output(scheduler_output, future.result())
+        self._wait_for_steps_if_idle()
         return self._with_kv_events(outputs)
+
+    def _wait_for_steps_if_idle(self) -> None:
+        """Once no request is left, the steps still in flight ran only finished requests (the
+        extra step after a stop, or aborted ones): wait for them and drop their outputs, so that
+        an idle engine core holds no work."""
+        queue = self.batch_queue
+        while queue and not self.scheduler.has_requests():
+            queue.popleft()[0].result()
 
     def _with_kv_events(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         """Attach the prefix-cache changes since the last step, consecutive ones of a kind
