@@ -149,6 +149,26 @@ def test_a_finished_request_saves_its_prompts_partial_chunk_and_a_lookup_finds_i
     assert conn.get_num_new_matched_tokens("u", prompt[:16] + [7] * 6, 0) == (16, True)
 
 
+def test_the_partial_chunk_lookup_asks_the_tier_once_for_every_candidate_key():
+    class CountingCPUTier(CPUTier):
+        def contains_many(self, keys):
+            self.asked.append(list(keys))
+            return super().contains_many(keys)
+
+    cfg = KVTransferConfig.from_dict(config(chunk_size=16))
+    fingerprint = LayoutFingerprint("m", "float32", BLOCK, 1, 1, 2, chunk_size=16)
+    tier = CountingCPUTier(10**6)
+    tier.asked = []
+    conn = TieredConnectorScheduler(cfg, TieredKVStore([tier], fingerprint), BlockHasher(BLOCK))
+    prompt = list(range(200, 230))  # 1 whole chunk, then 3 whole blocks and 2 tokens
+    hashes = BlockHasher(BLOCK).hash_prefix(prompt)
+    for stored in (hashes[3], hashes[4], hashes[5]):  # the chunk, partial keys of 1 and 2 blocks
+        conn.store.put(stored, np.zeros(1))
+    assert conn.get_num_new_matched_tokens("r", prompt, 0) == (24, True)
+    partial_keys = [fingerprint.tier_key(h) for h in hashes[4:7]]
+    assert tier.asked == [[fingerprint.tier_key(hashes[3])], partial_keys]
+
+
 def test_delay_cache_blocks_caches_only_once_the_tokens_count_as_computed():
     mgr = KVCacheManager(16, BLOCK)
     tokens = list(range(13))

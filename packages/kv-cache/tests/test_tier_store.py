@@ -174,6 +174,32 @@ def test_redis_tier_against_a_real_server(redis_server):
     assert (stats.queries, stats.hits, stats.errors) == (2, 1, 0)
 
 
+def test_contains_many_asks_each_tier_once_for_what_is_not_found_above(tmp_path):
+    class CountingDisk(DiskTier):
+        def contains_many(self, keys):
+            self.asked.append(list(keys))
+            return super().contains_many(keys)
+
+    disk = CountingDisk(tmp_path, 10**6)
+    disk.asked = []
+    store = TieredKVStore([CPUTier(10**6), disk], FP)
+    (k1, a1), (k2, a2), (k3, _) = chunk(1), chunk(2), chunk(3)
+    store.put(k1, a1)
+    disk.put(FP.tier_key(k2), encode_entry(FP, k2, a2))  # only the lower tier has it
+    assert store.contains_many([k1, k2, k3]) == [True, True, False]
+    assert disk.asked == [[FP.tier_key(k2), FP.tier_key(k3)]]
+    assert store.contains_many([]) == []
+
+
+def test_redis_contains_many_in_one_pipeline(redis_server):
+    _, url = redis_server
+    tier = RedisTier(url)
+    tier.put("a", b"x")
+    tier.put("c", b"y")
+    assert tier.contains_many(["a", "b", "c"]) == [True, False, True]
+    assert tier.contains_many([]) == []
+
+
 def test_redis_killed_mid_run_is_a_logged_miss(redis_server, caplog):
     process, url = redis_server
     store = TieredKVStore([CPUTier(10**6), RedisTier(url, timeout=0.5)], FP, retry_after=60)
@@ -184,7 +210,7 @@ def test_redis_killed_mid_run_is_a_logged_miss(redis_server, caplog):
     store.tiers[0].evict(FP.tier_key(key))
     with caplog.at_level(logging.WARNING, logger="ember_kv_cache.tier_store"):
         assert store.get(key) is None
-        assert not store.contains(key)
+        assert store.contains_many([key, chunk(9)[0]]) == [False, False]
         store.put(*chunk(9))  # the CPU tier still takes it; Redis is skipped
     assert "redis tier unavailable" in caplog.text
     assert store.contains(chunk(9)[0])

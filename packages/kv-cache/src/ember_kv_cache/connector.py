@@ -325,10 +325,13 @@ class TieredConnectorScheduler:
         if usable <= 0:
             return b"", 0
         longest = min(self._blocks_per_chunk - 1, len(token_ids) // block_size - first_block)
+        keys = [
+            self._block_hash(state, token_ids, first_block + n - 1) for n in range(1, longest + 1)
+        ]
+        found = self.store.contains_many(keys)  # one round trip, not one per candidate
         for num_blocks in range(longest, 0, -1):
-            key = self._block_hash(state, token_ids, first_block + num_blocks - 1)
-            if self.store.contains(key):
-                return key, min(num_blocks, usable)
+            if found[num_blocks - 1]:
+                return keys[num_blocks - 1], min(num_blocks, usable)
         return b"", 0
 
     def _chunk_hash(self, state: _RequestChunks, token_ids: Sequence[int], index: int) -> bytes:

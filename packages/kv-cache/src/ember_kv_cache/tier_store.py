@@ -104,16 +104,26 @@ class TieredKVStore:
 
     def contains(self, chunk_hash: bytes) -> bool:
         """Whether some tier that is up holds the chunk (its integrity is checked on ``get``)."""
-        key = self.fingerprint.tier_key(chunk_hash)
+        return self.contains_many([chunk_hash])[0]
+
+    def contains_many(self, chunk_hashes: Sequence[bytes]) -> list[bool]:
+        """``contains`` of each chunk, asking each tier once for the chunks not found above it."""
+        keys = [self.fingerprint.tier_key(chunk_hash) for chunk_hash in chunk_hashes]
+        found = [False] * len(keys)
         for index, tier in enumerate(self.tiers):
+            missing = [i for i, hit in enumerate(found) if not hit]
+            if not missing:
+                break
             if not self._is_up(index):
                 continue
             try:
-                if tier.contains(key):
-                    return True
+                hits = tier.contains_many([keys[i] for i in missing])
             except TierUnavailable as exc:
                 self._mark_down(index, exc)
-        return False
+                continue
+            for i, hit in zip(missing, hits, strict=True):
+                found[i] = hit
+        return found
 
     def evict(self, chunk_hash: bytes) -> None:
         """Remove a chunk from every tier that is up."""

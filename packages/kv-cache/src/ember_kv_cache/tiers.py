@@ -11,6 +11,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +32,10 @@ class KVTier(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
     def contains(self, key: str) -> bool: ...
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of each key, in one round trip where the backend allows."""
+        ...
 
     def evict(self, key: str) -> None: ...
 
@@ -100,6 +105,9 @@ class CPUTier:
 
     def contains(self, key: str) -> bool:
         return key in self._data
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [key in self._data for key in keys]
 
     def evict(self, key: str) -> None:
         with self._lock:
@@ -179,6 +187,9 @@ class DiskTier:
     def contains(self, key: str) -> bool:
         return self._file(key).is_file()
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [self._file(key).is_file() for key in keys]
+
     def evict(self, key: str) -> None:
         with self._lock:
             self._lru.remove(key)
@@ -214,9 +225,11 @@ class RedisTier:
         self.url = url
         self.key_prefix = key_prefix
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, client=None):
+        """``method`` of ``client`` (default: the connection), a backend failure as
+        ``TierUnavailable``."""
         try:
-            return getattr(self._client, method)(*args)
+            return getattr(client or self._client, method)(*args)
         except self._errors as exc:
             raise TierUnavailable(f"redis tier ({self.url}): {exc}") from exc
 
@@ -228,6 +241,13 @@ class RedisTier:
 
     def contains(self, key: str) -> bool:
         return bool(self._call("exists", self.key_prefix + key))
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One pipeline of ``EXISTS`` per key (a multi-key ``EXISTS`` only counts them)."""
+        pipeline = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipeline.exists(self.key_prefix + key)
+        return [bool(found) for found in self._call("execute", client=pipeline)]
 
     def evict(self, key: str) -> None:
         self._call("delete", self.key_prefix + key)
