@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ember_kv_cache import LayoutFingerprint
+from ember_kv_cache import BlockHasher, LayoutFingerprint
 from ember_kv_cache.tier_entry import encode_entry
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.llm import LLM
@@ -59,7 +59,8 @@ import json, sys
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.llm import LLM
 model, config, token_ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23)
+settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23, **settings)
 [out] = llm.generate({"prompt_token_ids": token_ids},
                      SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 registry, name = llm.metrics.registry, llm.model_config.served_model_name
@@ -77,10 +78,10 @@ llm.engine_core.shutdown()
 """
 
 
-def _engine_process(model, config, token_ids) -> dict:
+def _engine_process(model, config, token_ids, **settings) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", _ENGINE_SCRIPT, str(model), json.dumps(config),
-         json.dumps(token_ids)],
+         json.dumps(token_ids), json.dumps(settings)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -109,6 +110,33 @@ def test_a_fresh_engine_process_loads_a_long_prompt_another_served(
     assert second["cached"] == second["loaded"] == matched
     assert second["tier_hits"] == matched // CHUNK  # from the shared tier (the CPU one is new)
     assert second["prompt_tokens"] == 900  # the front end counts the prompt either way
+
+
+def test_tensor_parallel_ranks_each_store_and_load_their_shard(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    config = transfer_config("kv_both", disk(tmp_path / "kv"))
+    token_ids = prompt(300, seed=5)
+    plain = LLM(str(model), kv_cache_memory=KV_MEMORY)
+    expected, _ = run(plain, token_ids)
+    plain.engine_core.shutdown()
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    first = _engine_process(model, config, token_ids, **tp2)
+    assert first["tokens"] == expected and first["cached"] == 0
+    # Two ranks, two fingerprints: every chunk and the partial one is stored once per rank.
+    entries = sorted(path.name.split("-")[0] for path in (tmp_path / "kv").glob("*.kv"))
+    assert len(set(entries)) == 2 and len(entries) % 2 == 0
+    second = _engine_process(model, config, token_ids, **tp2)
+    assert second["tokens"] == expected
+    assert second["cached"] == second["loaded"] == (300 - 1) // BLOCK * BLOCK  # chunks + partial
+    # One rank's copy of the second chunk damaged: every rank computes from that chunk on.
+    second_chunk = BlockHasher(BLOCK).hash_prefix(token_ids)[2 * CHUNK // BLOCK - 1]
+    file = tmp_path / "kv" / f"{entries[0]}-{second_chunk.hex()}.kv"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+    third = _engine_process(model, config, token_ids, **tp2)
+    assert third["tokens"] == expected
+    assert third["cached"] == CHUNK
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -70,8 +70,10 @@ def test_backend_choice_is_checked(tiny_model):
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"chunk_size": 16, "tiers": [{"type": "cpu", "max_bytes": 1}]},
     })  # fmt: skip
-    with pytest.raises(ValueError, match="kv_transfer_config needs the in-process executor"):
-        make_executor(_config(path), "mp", kv_transfer_config=kv_transfer)
+    with pytest.raises(ValueError, match="kv_transfer_config is not implemented with .*'ray'"):
+        make_executor(_config(path), "ray", kv_transfer_config=kv_transfer)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
+        _config(path, parallel=ParallelConfig(1, 2), kv_transfer=kv_transfer.as_dict())
 
 
 def test_a_rank_that_fails_at_start_up_reports_its_error(tiny_model):

@@ -79,6 +79,17 @@ class KVTransferConfig:
             check_tier_spec(tier)
         return cls(connector, role, chunk_size, tuple(dict(t) for t in tiers))
 
+    def as_dict(self) -> dict:
+        """The dict ``from_dict`` reads back (to hand the config to another process)."""
+        return {
+            "kv_connector": self.kv_connector,
+            "kv_role": self.kv_role,
+            "kv_connector_extra_config": {
+                "chunk_size": self.chunk_size,
+                "tiers": [dict(tier) for tier in self.tiers],
+            },
+        }
+
     @property
     def is_producer(self) -> bool:
         return self.kv_role in ("kv_producer", "kv_both")

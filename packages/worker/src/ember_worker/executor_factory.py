@@ -19,7 +19,8 @@ def make_executor(
 ):
     """An ``Executor`` for ``config``: ``backend`` None picks "uni" for one rank, else "mp".
 
-    A KV connector (``kv_transfer_config``) runs with the in-process executor only."""
+    A KV connector (``kv_transfer_config``) runs in process or with "mp" (each rank its own
+    shard); "ray" refuses it."""
     world = config.parallel.world_size
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -41,10 +42,12 @@ def make_executor(
             settings.pop("model"), device=device, kv_transfer_config=kv_transfer_config, **settings
         )
     if kv_transfer_config is not None:
-        raise ValueError(
-            "kv_transfer_config needs the in-process executor (one rank); it is not implemented "
-            f"with distributed_executor_backend {backend!r}"
-        )
+        if backend == "ray":
+            raise ValueError(
+                "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
+                "(use 'mp')"
+            )
+        config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())
     if backend == "mp":
         from ember_worker.distributed.mp_executor import MultiprocExecutor
 

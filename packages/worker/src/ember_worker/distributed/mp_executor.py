@@ -2,7 +2,7 @@
 
 Each step's ``SchedulerOutput`` is msgpack-encoded once and broadcast to every rank over a ZMQ
 XPUB socket; only the output rank (the last pipeline stage's first tensor-parallel rank) answers
-on the PULL socket. The executor watches its processes: a rank that fails or dies, at start-up or
+on the PULL socket (every rank with a KV connector; their connector outputs are combined). The executor watches its processes: a rank that fails or dies, at start-up or
 in a step, raises a ``RuntimeError`` naming the rank, which the engine core turns into its death
 (every other rank is then stopped by ``shutdown``).
 """
@@ -23,6 +23,8 @@ import msgspec
 import torch
 import zmq
 
+from ember_kv_cache import KVTransferConfig, LayoutFingerprint, TieredKVStore
+from ember_kv_cache.rank_outputs import RankOutputCombiner
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed import mp_worker as proto
 from ember_worker.distributed.groups import free_port
@@ -55,9 +57,17 @@ class MultiprocExecutor:
                 )
         self.config = config
         self.block_size = config.block_size
-        self.kv_transfer_store = None  # KV connectors run with one rank only
+        self.kv_transfer_store: TieredKVStore | None = None  # the scheduler side's lookups
         self._world_size = parallel.world_size
         self._output_rank = parallel.output_rank
+        # With a KV connector every rank answers each step, its connector output combined.
+        self._answering_ranks = (
+            list(range(self._world_size)) if config.kv_transfer else [self._output_rank]
+        )
+        self._combiner = RankOutputCombiner(len(self._answering_ranks))
+        self._received: dict[int, deque[ModelRunnerOutput]] = {
+            rank: deque() for rank in self._answering_ranks
+        }
         self._socket_dir = tempfile.mkdtemp(prefix="ember-workers-")
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.XPUB)
@@ -103,10 +113,10 @@ class MultiprocExecutor:
                     [sys.executable, "-m", "ember_worker.distributed.mp_worker", *argv]
                 )
             )
-        blocks: dict[int, int] = {}
+        reports: dict[int, proto.ReadyReport] = {}
         subscribed = 0
         deadline = time.monotonic() + timeout
-        while len(blocks) < self._world_size or subscribed < self._world_size:
+        while len(reports) < self._world_size or subscribed < self._world_size:
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"worker ranks did not start within {timeout:.0f} s")
             while self._commands.poll(0):
@@ -116,11 +126,16 @@ class MultiprocExecutor:
                 continue
             kind, rank, payload = self._results.recv_multipart()
             if kind == proto.READY:
-                blocks[int(rank)] = int(payload)
+                reports[int(rank)] = msgspec.msgpack.decode(payload, type=proto.ReadyReport)
             else:
                 self._raise_failed(kind, rank, payload, "at start-up")
         # Every rank allocates the block count that fits the smallest budget.
-        num_blocks = min(blocks.values())
+        num_blocks = min(report.num_blocks for report in reports.values())
+        if config.kv_transfer is not None:
+            fingerprint = LayoutFingerprint(**reports[0].kv_fingerprint)
+            self.kv_transfer_store = KVTransferConfig.from_dict(config.kv_transfer).make_store(
+                fingerprint
+            )
         self._commands.send_multipart([proto.KV_BLOCKS, str(num_blocks).encode()])
         return num_blocks
 
@@ -137,13 +152,23 @@ class MultiprocExecutor:
         return step if non_block else step.result()
 
     def _receive_output(self) -> None:
-        """Receive the output of the oldest step in flight."""
-        while not self._results.poll(_POLL_MS):
-            self._check_alive("in a step")
-        kind, rank, payload = self._results.recv_multipart(copy=False)
-        if kind.bytes != proto.OUTPUT:
-            self._raise_failed(kind.bytes, rank.bytes, payload.bytes, "in a step")
-        self._in_flight.popleft().output = self._output_decoder.decode(payload.buffer)
+        """Receive the output of the oldest step in flight (from every answering rank: each
+        sends its steps in order, but the ranks' messages interleave)."""
+        while not all(self._received.values()):
+            while not self._results.poll(_POLL_MS):
+                self._check_alive("in a step")
+            kind, rank, payload = self._results.recv_multipart(copy=False)
+            if kind.bytes != proto.OUTPUT:
+                self._raise_failed(kind.bytes, rank.bytes, payload.bytes, "in a step")
+            output = self._output_decoder.decode(payload.buffer)
+            self._received[int(rank.bytes)].append(output)
+        outputs = [self._received[rank].popleft() for rank in self._answering_ranks]
+        output = outputs[self._answering_ranks.index(self._output_rank)]
+        if len(outputs) > 1:
+            output.kv_connector_output = self._combiner.combine(
+                [rank_output.kv_connector_output for rank_output in outputs]
+            )
+        self._in_flight.popleft().output = output
 
     def _check_alive(self, when: str) -> None:
         for rank, process in enumerate(self.processes):
@@ -177,6 +202,8 @@ class MultiprocExecutor:
         self._context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.grammar_compiler.shutdown()
+        if self.kv_transfer_store is not None:
+            self.kv_transfer_store.close()
 
 
 class StepOutput:

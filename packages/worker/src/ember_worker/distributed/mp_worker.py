@@ -3,7 +3,8 @@
 It joins the ``torch.distributed`` world, loads its part of the model and reports READY with the
 KV blocks its budget holds (or FAILED with its traceback). Then it follows the executor's
 broadcast: the KV block count to allocate, each step's ``SchedulerOutput`` (msgpack), and STOP.
-Only the output rank sends the step's ``ModelRunnerOutput`` back. A step that raises sends FAILED
+Only the output rank sends the step's ``ModelRunnerOutput`` back (every rank with a KV connector:
+the executor combines their connector outputs). A step that raises sends FAILED
 and ends the process; so does the executor's process going away (checked while idle).
 """
 
@@ -28,6 +29,14 @@ STEP, KV_BLOCKS, STOP = b"step", b"kv", b"stop"
 READY, FAILED, OUTPUT = b"ready", b"failed", b"output"
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that the executor's process is alive
+
+
+class ReadyReport(msgspec.Struct, array_like=True):
+    """A started rank's KV block budget and, with a KV connector, its layout fingerprint's
+    fields (the executor's scheduler-side lookups use the first rank's)."""
+
+    num_blocks: int
+    kv_fingerprint: dict | None = None
 
 
 class WorkerProcConfig(msgspec.Struct, frozen=True):
@@ -57,11 +66,11 @@ def run_worker(config: WorkerProcConfig) -> int:
                 config.worker.parallel, config.rank, config.init_method, backend_for(device)
             )
             worker = Worker(config.worker, groups, device)
-            num_blocks = worker.num_available_blocks()
+            ready = ReadyReport(worker.num_available_blocks(), worker.kv_fingerprint_fields())
         except Exception:
             results.send_multipart([FAILED, rank, traceback.format_exc().encode()])
             return 1
-        results.send_multipart([READY, rank, str(num_blocks).encode()])
+        results.send_multipart([READY, rank, msgspec.msgpack.encode(ready)])
         return _serve(worker, config, commands, results, rank)
     finally:
         commands.close(linger=0)
@@ -78,7 +87,8 @@ def _serve(
 ) -> int:
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
-    is_output_rank = config.rank == config.worker.parallel.output_rank
+    # With a KV connector every rank's loads and saves count: each one answers every step.
+    answers = config.rank == config.worker.parallel.output_rank or worker.has_kv_connector
     while True:
         if not commands.poll(_IDLE_POLL_MS):
             if os.getppid() != config.parent_pid:
@@ -89,11 +99,12 @@ def _serve(
         try:
             if kind == STEP:
                 output = worker.execute_model(decoder.decode(payload.buffer))
-                if is_output_rank:
+                if answers:
                     results.send_multipart([OUTPUT, rank, encoder.encode(output)], copy=False)
             elif kind == KV_BLOCKS:
                 worker.initialize_kv_cache(int(payload.bytes))
             elif kind == STOP:
+                worker.shutdown()
                 return 0
             else:
                 raise RuntimeError(f"worker got an unknown command {kind!r}")

@@ -8,12 +8,16 @@ budget holds, then all allocate the smallest.
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import torch
 
+from ember_kv_cache import KVTransferConfig, LayoutFingerprint
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed.groups import ParallelConfig, RankGroups
 from ember_worker.kv_cache import kv_cache_budget
+from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model, resolve_model_path
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
@@ -26,6 +30,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     ``kv_cache_memory`` is each rank's budget in bytes (required on the CPU; on a GPU,
     ``gpu_memory_utilization`` of the memory left free by the model when it is None).
     ``num_threads`` sets each rank's torch intra-op threads; None leaves them alone.
+    ``kv_transfer`` is vLLM's ``kv_transfer_config`` dict: each rank then moves its own shard of
+    the KV chunks, keyed with its tensor-parallel rank's layout fingerprint.
     """
 
     model: str
@@ -40,6 +46,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     seed: int = 0
     num_threads: int | None = None
     parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: dict | None = None
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -50,6 +58,13 @@ class WorkerConfig(msgspec.Struct, frozen=True):
             not isinstance(self.num_threads, int) or self.num_threads < 1
         ):
             raise ValueError(f"num_threads must be a positive int, got {self.num_threads!r}")
+        if self.kv_transfer is not None:
+            KVTransferConfig.from_dict(self.kv_transfer)
+            if self.parallel.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "kv_transfer_config is not implemented with pipeline_parallel_size > 1 "
+                    "(tensor parallelism only)"
+                )
 
 
 class WorkerFailedError(RuntimeError):
@@ -62,6 +77,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, groups: RankGroups, device: torch.device) -> None:
         self.config = config
         self.device = device
+        self.tp_rank = groups.tp.rank
         if config.num_threads is not None:
             # torch's intra-op threads are process-wide; on a small or shared CPU one thread is
             # often fastest for a tiny model (thread wake-ups cost more than the matmuls).
@@ -99,6 +115,40 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer is not None:
+            config = KVTransferConfig.from_dict(self.config.kv_transfer)
+            spec = self.model_runner.kv_cache_spec
+            store = config.make_store(self.kv_layout_fingerprint())
+            self.model_runner.register_kv_connector(
+                TieredConnectorWorker(store, spec, config.chunk_size)
+            )
+
+    def kv_layout_fingerprint(self) -> LayoutFingerprint:
+        """What keys this rank's shard of the KV chunks (``kv_transfer`` set)."""
+        return layout_fingerprint(
+            self.loaded.path,
+            self.model_runner.kv_cache_spec,
+            KVTransferConfig.from_dict(self.config.kv_transfer),
+            self.config.prefix_caching_hash_algo,
+            self.tp_rank,
+        )
+
+    @property
+    def has_kv_connector(self) -> bool:
+        return self.config.kv_transfer is not None
+
+    def kv_fingerprint_fields(self) -> dict | None:
+        """``kv_layout_fingerprint()``'s fields to rebuild it elsewhere; None without one."""
+        if not self.has_kv_connector:
+            return None
+        fields = dataclasses.asdict(self.kv_layout_fingerprint())
+        del fields["digest"]  # derived from the others
+        return fields
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's transfers (the tier store's files and connections)."""
+        if self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
