@@ -70,7 +70,7 @@ def test_backend_choice_is_checked(tiny_model):
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"chunk_size": 16, "tiers": [{"type": "cpu", "max_bytes": 1}]},
     })  # fmt: skip
-    with pytest.raises(ValueError, match="kv_transfer_config is not implemented with .*'ray'"):
+    with pytest.raises(ValueError, match=r"kv_transfer_config is not implemented with .*'ray'"):
         make_executor(_config(path), "ray", kv_transfer_config=kv_transfer)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
         _config(path, parallel=ParallelConfig(1, 2), kv_transfer=kv_transfer.as_dict())
