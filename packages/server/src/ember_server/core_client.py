@@ -29,6 +29,10 @@ from ember_server.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
+# OpenMP threads of the engine process sleep at a barrier instead of spinning: the engine takes
+# every core and shares one with the front end, whose work would otherwise stall each step.
+ENGINE_OMP_WAIT_POLICY = "PASSIVE"
+
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone (crashed, killed, or failed a step)."""
@@ -106,7 +110,9 @@ class AsyncMPClient:
             "--engine-args", msgspec.json.encode(args).decode(),
         ]  # fmt: skip
         started = loop.time()
-        self.process = subprocess.Popen(command)
+        # A user's own OMP_WAIT_POLICY wins (see engine_factory.default_step_threads).
+        env = {"OMP_WAIT_POLICY": ENGINE_OMP_WAIT_POLICY, **os.environ}
+        self.process = subprocess.Popen(command, env=env)
         logger.info(
             "starting the engine core process (pid %d) for %s", self.process.pid, args.model
         )

@@ -22,32 +22,27 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 
 
-def default_step_threads(*, front_end_alongside: bool) -> StepThreads:
+def default_step_threads() -> StepThreads:
     """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
-    process may run on, except that where a front end process shares the cores (``ember
-    serve``) only prefill steps (``StepThreads``: 256+ tokens, no request decoding) take them all
-    and the others leave the front end one, since it streams their tokens while they run.
+    process may run on, for every step, offline and served alike.
 
-    Why, measured on a 2-core machine (issue 12; the server README has the figures): a
-    1,500-token prefill runs 1.7x faster on two threads than on one, and ``LLM`` has no other
-    process to share with; an OpenMP thread that loses its core to another process stalls every
-    barrier of the step (many times slower under load). The count is fixed, not read from the
-    load average at start-up: a start-up during someone else's burst must not leave the engine
-    on one thread for its whole life.
+    Why, measured on a quiet 2-core machine (issue 12; the server README has the figures): a
+    1,500-token prefill runs 1.7x faster on two threads than on one; served at concurrency 64,
+    two threads for decode steps too made 1.3x (tiny Llama) to 1.55x (hidden 512, 8 layers) the
+    output tokens of one, since the front end needs only ~0.04 ms of CPU per token. The count is
+    fixed, not read from the load average at start-up: a start-up during someone else's burst
+    must not leave the engine on one thread for its whole life. ``ember serve`` runs its engine
+    process with OpenMP's passive wait policy (``ENGINE_OMP_WAIT_POLICY``) so that a thread
+    which loses its core to the front end does not stall the others spinning at each barrier.
     """
     from ember_worker.step_threads import StepThreads
 
-    cores = len(os.sched_getaffinity(0))
-    decode = max(1, cores - 1) if front_end_alongside else cores
-    return StepThreads(cores, decode)
+    return StepThreads(len(os.sched_getaffinity(0)))
 
 
-def make_engine_core(
-    args: EngineArgs, model_config: ModelConfig, *, front_end_alongside: bool
-) -> tuple[EngineCore, ModelConfig]:
+def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> tuple[EngineCore, ModelConfig]:
     """Load the model into an in-process executor and wrap it with a scheduler.
 
-    ``front_end_alongside``: a front end process shares the cores (see ``default_step_threads``).
     Returns the engine core and the model config it runs with: ``max_model_len`` lowered to what
     the KV cache holds when it was not given (see ``fit_max_model_len``).
     """
@@ -60,11 +55,7 @@ def make_engine_core(
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    step_threads = (
-        StepThreads(args.num_threads)
-        if args.num_threads
-        else default_step_threads(front_end_alongside=front_end_alongside)
-    )
+    step_threads = StepThreads(args.num_threads) if args.num_threads else default_step_threads()
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
     # What every executor takes alike, in process or per rank.
     model_settings = dict(
