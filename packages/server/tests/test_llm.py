@@ -214,12 +214,17 @@ def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("cores", [{0, 1, 2, 3}, {0, 1}, {5}])
-def test_default_threads_are_every_core_for_every_step_whatever_the_load(monkeypatch, cores):
+@pytest.mark.parametrize("cores,served_small", [({0, 1, 2, 3}, 3), ({0, 1}, 1), ({5}, 1)])
+def test_default_threads_are_every_core_but_one_for_small_served_steps_whatever_the_load(
+    monkeypatch, cores, served_small
+):
     monkeypatch.setattr(engine_factory.os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (12.0, 12.0, 12.0))
-    threads = engine_factory.default_step_threads()
-    assert (threads.prefill, threads.decode) == (len(cores), len(cores))
+    offline = engine_factory.default_step_threads(served=False)
+    served = engine_factory.default_step_threads(served=True)
+    assert (offline.prefill, offline.decode) == (len(cores), len(cores))
+    assert (served.prefill, served.decode) == (len(cores), served_small)
+    assert served.prefill_min_tokens == engine_factory.SERVED_LARGE_STEP_TOKENS
 
 
 def test_offline_engine_takes_the_default_threads(llama_path):

@@ -119,7 +119,7 @@ def run_engine_core(
     try:
         try:
             model_config = ModelConfig.from_engine_args(args)
-            engine_core, model_config = make_engine_core(args, model_config)
+            engine_core, model_config = make_engine_core(args, model_config, served=True)
         except Exception as exc:
             failed = msg.EngineCoreFailed(
                 message=str(exc) or type(exc).__name__,

@@ -21,15 +21,20 @@ logger = logging.getLogger(__name__)
 # from free memory itself).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 
+# Served steps of at least this many scheduled tokens take every core (see default_step_threads).
+SERVED_LARGE_STEP_TOKENS = 32
 
-def default_step_threads() -> StepThreads:
+
+def default_step_threads(*, served: bool) -> StepThreads:
     """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
-    process may run on, for every step, offline and served alike.
+    process may run on; ``served`` (``ember serve``), steps of fewer than
+    ``SERVED_LARGE_STEP_TOKENS`` scheduled tokens leave the front end one.
 
     Why, measured on a quiet 2-core machine (issue 12; the server README has the figures): a
     1,500-token prefill runs 1.7x faster on two threads than on one; served at concurrency 64,
     two threads for decode steps too made 1.3x (tiny Llama) to 1.55x (hidden 512, 8 layers) the
-    output tokens of one, since the front end needs only ~0.04 ms of CPU per token. The count is
+    output tokens of one, while at concurrency 1 and 16 on the tiny model they lost 2.6x and
+    1.5x (a small step pays a wake-up at each parallel region). The count is
     fixed, not read from the load average at start-up: a start-up during someone else's burst
     must not leave the engine on one thread for its whole life. ``ember serve`` runs its engine
     process with OpenMP's passive wait policy (``ENGINE_OMP_WAIT_POLICY``) so that a thread
@@ -37,11 +42,18 @@ def default_step_threads() -> StepThreads:
     """
     from ember_worker.step_threads import StepThreads
 
-    return StepThreads(len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0))
+    if not served:
+        return StepThreads(cores)
+    return StepThreads(cores, max(1, cores - 1), prefill_min_tokens=SERVED_LARGE_STEP_TOKENS)
 
 
-def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> tuple[EngineCore, ModelConfig]:
+def make_engine_core(
+    args: EngineArgs, model_config: ModelConfig, *, served: bool
+) -> tuple[EngineCore, ModelConfig]:
     """Load the model into an in-process executor and wrap it with a scheduler.
+
+    ``served``: the engine process of ``ember serve`` (see ``default_step_threads``).
 
     Returns the engine core and the model config it runs with: ``max_model_len`` lowered to what
     the KV cache holds when it was not given (see ``fit_max_model_len``).
@@ -55,7 +67,9 @@ def make_engine_core(args: EngineArgs, model_config: ModelConfig) -> tuple[Engin
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    step_threads = StepThreads(args.num_threads) if args.num_threads else default_step_threads()
+    step_threads = (
+        StepThreads(args.num_threads) if args.num_threads else default_step_threads(served=served)
+    )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
     # What every executor takes alike, in process or per rank.
     model_settings = dict(

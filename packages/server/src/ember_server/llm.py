@@ -44,7 +44,9 @@ class LLM:
             )
         self.model_config = ModelConfig.from_engine_args(self.engine_args)
         self.tokenizer = load_tokenizer(self.model_config.tokenizer)
-        self.engine_core, self.model_config = make_engine_core(self.engine_args, self.model_config)
+        self.engine_core, self.model_config = make_engine_core(
+            self.engine_args, self.model_config, served=False
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.model_config,

@@ -137,13 +137,7 @@ class ModelRunner:
             num_scheduled[index[req_id]] = count
         batch.set_num_scheduled_tokens(num_scheduled, spec_decode_tokens)
         if self.step_threads is not None:
-            n = batch.num_reqs
-            decoding = (batch.num_computed_tokens[:n] >= batch.num_prompt_tokens[:n]) & (
-                num_scheduled > 0
-            )
-            self.step_threads.apply(
-                scheduler_output.total_num_scheduled_tokens, int(np.count_nonzero(decoding))
-            )
+            self.step_threads.apply(scheduler_output.total_num_scheduled_tokens)
         inputs = self.input_buffers.prepare()
         metadata = _attention_metadata(inputs, self.kv_connector)
         hidden_states = self._forward(inputs, metadata)
