@@ -133,7 +133,7 @@ def main() -> int:
 
     from ember_server.llm import LLM
 
-    threads = default_step_threads(served=False).prefill  # as LLM below
+    threads = default_step_threads(served=False).large  # as LLM below
     torch.set_num_threads(threads)
     model_path = demo_model_path()
     prompts = unequal_prompts(args.num_prompts, args.max_len)

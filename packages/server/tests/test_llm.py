@@ -222,9 +222,9 @@ def test_default_threads_are_every_core_but_one_for_small_served_steps_whatever_
     monkeypatch.setattr(engine_factory.os, "getloadavg", lambda: (12.0, 12.0, 12.0))
     offline = engine_factory.default_step_threads(served=False)
     served = engine_factory.default_step_threads(served=True)
-    assert (offline.prefill, offline.decode) == (len(cores), len(cores))
-    assert (served.prefill, served.decode) == (len(cores), served_small)
-    assert served.prefill_min_tokens == engine_factory.SERVED_LARGE_STEP_TOKENS
+    assert (offline.large, offline.small) == (len(cores), len(cores))
+    assert (served.large, served.small) == (len(cores), served_small)
+    assert served.large_min_tokens == engine_factory.SERVED_LARGE_STEP_TOKENS
 
 
 def test_offline_engine_takes_the_default_threads(llama_path):

@@ -196,7 +196,7 @@ def test_each_step_runs_with_the_threads_of_its_phase_in_the_thread_that_runs_it
     # 2 threads for steps of 8 tokens or more, else 1; the steps run in
     # another Python thread, whose OpenMP thread count starts at the default, not at what this
     # thread set.
-    executor = _executor(llama, num_threads=StepThreads(2, 1, prefill_min_tokens=8))
+    executor = _executor(llama, num_threads=StepThreads(2, 1, large_min_tokens=8))
     seen = []
     forward = executor.model_runner.model.forward
 
@@ -219,5 +219,5 @@ def test_each_step_runs_with_the_threads_of_its_phase_in_the_thread_that_runs_it
 
 
 def test_step_threads_must_be_positive():
-    with pytest.raises(ValueError, match="decode_num_threads"):
+    with pytest.raises(ValueError, match="small_num_threads"):
         StepThreads(2, 0)

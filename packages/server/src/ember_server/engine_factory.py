@@ -45,7 +45,7 @@ def default_step_threads(*, served: bool) -> StepThreads:
     cores = len(os.sched_getaffinity(0))
     if not served:
         return StepThreads(cores)
-    return StepThreads(cores, max(1, cores - 1), prefill_min_tokens=SERVED_LARGE_STEP_TOKENS)
+    return StepThreads(cores, max(1, cores - 1), large_min_tokens=SERVED_LARGE_STEP_TOKENS)
 
 
 def make_engine_core(
@@ -83,7 +83,7 @@ def make_engine_core(
         seed=args.seed,
     )
     if parallel.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        executor = _rank_executor(args, model_settings, step_threads.decode, parallel)
+        executor = _rank_executor(args, model_settings, step_threads.small, parallel)
     else:
         executor = InProcessExecutor(
             args.model,

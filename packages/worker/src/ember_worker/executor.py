@@ -68,7 +68,7 @@ class InProcessExecutor:
         if num_threads is not None and not isinstance(num_threads, StepThreads):
             step_threads = StepThreads(num_threads)
         if step_threads is not None:
-            torch.set_num_threads(step_threads.prefill)  # loading and warm-up
+            torch.set_num_threads(step_threads.large)  # loading and warm-up
         torch.manual_seed(seed)
         loaded = load_model(model, dtype=dtype, device=self.device)
         limit = loaded.config.max_position_embeddings
