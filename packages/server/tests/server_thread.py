@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 import time
 
@@ -16,7 +15,7 @@ import uvicorn
 
 from ember_server.async_llm import AsyncLLM
 from ember_server.engine_args import EngineArgs
-from ember_server.openai.api_server import build_app
+from ember_server.openai.api_server import bind_socket, build_app
 
 
 class ServerThread:
@@ -38,9 +37,7 @@ class ServerThread:
         self._server: uvicorn.Server | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ember-test-server", daemon=True)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
+        self._socket = bind_socket("127.0.0.1", 0)
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -14,6 +15,7 @@ import pytest
 from ember_server.cli import UsageError, make_parser, resolve_model
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
+from ember_server.openai.api_server import bind_socket
 
 
 def _parse(*argv: str):
@@ -231,6 +233,31 @@ def test_port_in_use_is_reported_before_the_model_loads(tiny_model):
     line = _one_error_line(done)
     assert f"127.0.0.1:{port}" in line and "in use" in line
     assert "engine core" not in done.stdout + done.stderr  # no engine was started
+
+
+def test_served_connections_send_small_writes_at_once():
+    """Nagle's algorithm is off on every connection the server accepts: with it on, each response
+    on a kept-alive connection (the openai client's) waited 40 ms for the client's delayed ACK."""
+
+    async def accept_one() -> int:
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await loop.create_server(Probe, sock=bind_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accept_one()) != 0
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])
