@@ -9,7 +9,7 @@ import pytest
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.async_llm import AsyncLLM
-from ember_server.core_client import EngineDeadError, EngineStartupError
+from ember_server.core_client import ENGINE_OMP_ENV, EngineDeadError, EngineStartupError
 from ember_server.engine_args import EngineArgs
 
 
@@ -136,3 +136,35 @@ def test_engine_process_exits_when_its_front_end_is_killed(model_path):
         pytest.fail("the engine core process outlived its front end")
     finally:
         parent.kill()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        pairs = [entry.split(b"=", 1) for entry in environ.read().split(b"\0") if b"=" in entry]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("user_setting", [None, ("OMP_WAIT_POLICY", "PASSIVE")])
+def test_engine_threads_spin_briefly_at_barriers_unless_the_user_says_otherwise(
+    model_path, monkeypatch, user_setting
+):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    if user_setting is not None:
+        monkeypatch.setenv(*user_setting)
+
+    async def engine_environ():
+        args = EngineArgs(model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=64)
+        engine = await AsyncLLM.start(args)
+        try:
+            return _environ(engine.engine_core_pid)
+        finally:
+            await engine.shutdown()
+
+    environ = asyncio.run(engine_environ())
+    if user_setting is None:
+        assert {k: environ.get(k) for k in ENGINE_OMP_ENV} == ENGINE_OMP_ENV
+    else:
+        assert environ[user_setting[0]] == user_setting[1]
+        assert "GOMP_SPINCOUNT" not in environ

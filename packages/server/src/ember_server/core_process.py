@@ -26,6 +26,7 @@ from ember_scheduler.engine_types import (
     FinishReason,
 )
 from ember_server import core_messages as msg
+from ember_server.core_sharing import CoreSharing, OtherProcessesCPU
 from ember_server.engine_args import EngineArgs
 
 _IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
@@ -34,10 +35,17 @@ _IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 class EngineCoreProc:
     """Runs one engine core between the front end's sockets."""
 
-    def __init__(self, engine_core, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+    def __init__(
+        self,
+        engine_core,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        core_sharing: CoreSharing | None = None,
+    ) -> None:
         self.engine_core = engine_core
         self.input_socket = input_socket
         self.output_socket = output_socket
+        self.core_sharing = core_sharing
         self._encoder = msgspec.msgpack.Encoder()
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._ids_decoder = msgspec.msgpack.Decoder(list[str])
@@ -48,6 +56,8 @@ class EngineCoreProc:
         while True:
             if os.getppid() != parent_pid:
                 return
+            if self.core_sharing is not None:
+                self.core_sharing.poll()
             busy = core.has_unfinished_requests()
             if not busy and not self.input_socket.poll(_IDLE_POLL_MS):
                 continue
@@ -138,8 +148,12 @@ def run_engine_core(
             prefix_caching_hash_algo=engine_core.kv_cache_manager.hasher.algo,
         )
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
+        step_threads = getattr(executor, "step_threads", None)  # in-process executors only
+        core_sharing = None
+        if args.num_threads is None and step_threads is not None:
+            core_sharing = CoreSharing(step_threads, OtherProcessesCPU((os.getpid(), parent_pid)))
         try:
-            EngineCoreProc(engine_core, input_socket, output_socket).run(parent_pid)
+            EngineCoreProc(engine_core, input_socket, output_socket, core_sharing).run(parent_pid)
         except Exception:
             error = traceback.format_exc()
             print(f"ember engine core failed:\n{error}", file=sys.stderr, flush=True)

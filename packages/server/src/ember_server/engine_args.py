@@ -59,9 +59,9 @@ class EngineArgs:
     ``max_num_batched_tokens`` as ``max(max_model_len, 2048)``, ``kv_cache_memory`` as 256 MiB
     on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
     ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
-    the engine, every step) as every core, less one under ``ember serve`` for its front end
-    process in steps with decoding requests (see ``default_step_threads``), shared among the worker ranks when
-    there are several.
+    the engine, every step) as every core, less one under ``ember serve`` in steps under 32
+    tokens while other processes use a core (see ``default_step_threads``), shared among the
+    worker ranks when there are several.
     ``kv_transfer_config`` is vLLM's: ``{"kv_connector": "TieredConnector", "kv_role":
     "kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}``.
     """

@@ -21,31 +21,35 @@ logger = logging.getLogger(__name__)
 # from free memory itself).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 
-# Served steps of at least this many scheduled tokens take every core (see default_step_threads).
+# Served steps of at least this many scheduled tokens take every core whatever other processes
+# do (see default_step_threads).
 SERVED_LARGE_STEP_TOKENS = 32
 
 
 def default_step_threads(*, served: bool) -> StepThreads:
     """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
-    process may run on; ``served`` (``ember serve``), steps of fewer than
-    ``SERVED_LARGE_STEP_TOKENS`` scheduled tokens leave the front end one.
+    process may run on, for every step. ``served`` (``ember serve``): steps of fewer than
+    ``SERVED_LARGE_STEP_TOKENS`` scheduled tokens leave a core while other processes use one
+    (``core_sharing.CoreSharing`` moves ``small``).
 
     Why, measured on a quiet 2-core machine (issue 12; the server README has the figures): a
-    1,500-token prefill runs 1.7x faster on two threads than on one; served at concurrency 64,
-    two threads for decode steps too made 1.3x (tiny Llama) to 1.55x (hidden 512, 8 layers) the
-    output tokens of one, while at concurrency 1 and 16 on the tiny model they lost 2.6x and
-    1.5x (a small step pays a wake-up at each parallel region). The count is
-    fixed, not read from the load average at start-up: a start-up during someone else's burst
-    must not leave the engine on one thread for its whole life. ``ember serve`` runs its engine
-    process with OpenMP's passive wait policy (``ENGINE_OMP_WAIT_POLICY``) so that a thread
-    which loses its core to the front end does not stall the others spinning at each barrier.
+    1,500-token prefill runs 1.7x faster on two threads than on one; served, two threads for
+    every step made 1.1-1.6x the output tokens of one thread for steps under 32 tokens (tiny
+    Llama and hidden 512, concurrency 1 to 64) and cut a prefix-cached 1,500-token prompt's time
+    to first token from 12.9 to 10.4 ms (tiny) and 32 to 21 ms (hidden 512), once the engine's
+    OpenMP threads spin briefly at a barrier instead of sleeping (``core_client.ENGINE_OMP_ENV``:
+    with sleeping threads, each of a small step's parallel regions paid a wake-up and two
+    threads lost 2.6x at concurrency 1). With two CPU-bound processes beside it, two threads for
+    small steps lost 1.5-4x at concurrency 1, hence ``CoreSharing``. The count is not read from
+    the load average at start-up: a start-up during someone else's burst must not leave the
+    engine on one thread for its whole life.
     """
     from ember_worker.step_threads import StepThreads
 
     cores = len(os.sched_getaffinity(0))
     if not served:
         return StepThreads(cores)
-    return StepThreads(cores, max(1, cores - 1), large_min_tokens=SERVED_LARGE_STEP_TOKENS)
+    return StepThreads(cores, cores, large_min_tokens=SERVED_LARGE_STEP_TOKENS)
 
 
 def make_engine_core(

@@ -26,8 +26,8 @@ class InProcessExecutor:
     reports the block count as ``num_kv_blocks``. ``grammar_compiler`` compiles structured-output
     specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
     ``num_threads`` sets torch's intra-op thread count: an int for every step, or a
-    ``StepThreads`` (one count for prefill-heavy steps, another for the rest); None leaves it
-    alone. Several ranks run in the multiprocess or Ray
+    ``StepThreads`` (one count for large steps, another for small ones; kept as
+    ``step_threads``, whose counts may be changed between steps); None leaves it alone. Several ranks run in the multiprocess or Ray
     executors (``executor_factory.make_executor``). With ``kv_transfer_config`` the runner moves
     KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
     ``prefix_caching_hash_algo``'s chain hashes (the scheduler's). ``execute_model(...,
@@ -69,6 +69,7 @@ class InProcessExecutor:
             step_threads = StepThreads(num_threads)
         if step_threads is not None:
             torch.set_num_threads(step_threads.large)  # loading and warm-up
+        self.step_threads = step_threads
         torch.manual_seed(seed)
         loaded = load_model(model, dtype=dtype, device=self.device)
         limit = loaded.config.max_position_embeddings
