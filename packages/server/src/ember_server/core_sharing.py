@@ -10,6 +10,7 @@ has the figures). Large steps keep every core either way.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import TYPE_CHECKING
@@ -17,11 +18,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ember_worker.step_threads import StepThreads
 
-# Cores' worth of CPU the other processes must use before small steps leave them a core, and
-# must fall under before small steps take every core again. A benchmark client on the same
-# machine used 0.02-0.2 of a core; a build or a test run uses one or more.
+# Cores' worth of CPU the other processes must use, on average over the last few seconds
+# (AVERAGE_S), before small steps leave them a core, and must fall under before small steps take
+# every core again. A benchmark client on the same machine used 0.02-0.2 of a core, and its
+# start-up a second's burst; a build or a test run uses one or more for minutes.
 BUSY_CORES = 0.5
 QUIET_CORES = 0.25
+AVERAGE_S = 3.0
 CHECK_INTERVAL_S = 1.0
 
 
@@ -35,8 +38,9 @@ class OtherProcessesCPU:
         self._ticks_per_s = os.sysconf("SC_CLK_TCK") if self.available else 0
         self._last = self._read() if self.available else None
 
-    def sample(self) -> float | None:
-        """Cores used by the other processes since the last call; None if unreadable."""
+    def sample(self) -> tuple[float, float] | None:
+        """(cores used by the other processes since the last call, seconds since it); None if
+        unreadable."""
         now = self._read()
         last, self._last = self._last, now
         if now is None or last is None:
@@ -45,7 +49,7 @@ class OtherProcessesCPU:
         if elapsed <= 0:
             return None
         others = (now[1] - last[1]) - (now[2] - last[2])
-        return max(0.0, others / self._ticks_per_s / elapsed)
+        return max(0.0, others / self._ticks_per_s / elapsed), elapsed
 
     def _read(self) -> tuple[float, int, int] | None:
         """(monotonic seconds, busy ticks of the whole machine, CPU ticks of ``pids``)."""
@@ -59,18 +63,22 @@ class OtherProcessesCPU:
                 ours += int(fields[11]) + int(fields[12])  # utime + stime, all its threads
         except (OSError, ValueError, IndexError):
             return None
-        busy = sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # less idle, iowait
+        # user, nice, system, irq, softirq: not idle, iowait, steal (another VM's), nor guest
+        # (already counted in user).
+        busy = ticks[0] + ticks[1] + ticks[2] + sum(ticks[5:7])
         return time.monotonic(), busy, ours
 
 
 class CoreSharing:
     """Sets ``step_threads.small`` to every core (``step_threads.large``) while other processes
-    use under ``QUIET_CORES`` of a core, to one fewer once they use over ``BUSY_CORES``; checks
-    at most every ``CHECK_INTERVAL_S`` seconds, from the engine's loop (``poll``)."""
+    use under ``QUIET_CORES`` of a core, to one fewer once they use over ``BUSY_CORES`` (both
+    averaged over about ``AVERAGE_S`` seconds); checks at most every ``CHECK_INTERVAL_S``
+    seconds, from the engine's loop (``poll``)."""
 
     def __init__(self, step_threads: StepThreads, others: OtherProcessesCPU) -> None:
         self.step_threads = step_threads
         self.others = others
+        self.average = 0.0  # cores, an exponential moving average
         self._next_check = time.monotonic() + CHECK_INTERVAL_S
 
     def poll(self) -> None:
@@ -78,11 +86,13 @@ class CoreSharing:
         if now < self._next_check:
             return
         self._next_check = now + CHECK_INTERVAL_S
-        used = self.others.sample()
-        if used is None:
+        sample = self.others.sample()
+        if sample is None:
             return
+        used, elapsed = sample
+        self.average += (used - self.average) * (1.0 - math.exp(-elapsed / AVERAGE_S))
         threads = self.step_threads
-        if used > BUSY_CORES:
+        if self.average > BUSY_CORES:
             threads.small = max(1, threads.large - 1)
-        elif used < QUIET_CORES:
+        elif self.average < QUIET_CORES:
             threads.small = threads.large
