@@ -225,6 +225,9 @@ def test_default_threads_are_every_core_for_every_step_whatever_the_load(monkeyp
     assert (offline.large, offline.small) == (len(cores), len(cores))
     assert (served.large, served.small) == (len(cores), len(cores))
     assert served.large_min_tokens == engine_factory.SERVED_LARGE_STEP_TOKENS
+    # Data-parallel engines share the cores out, at least one each.
+    shared = engine_factory.default_step_threads(served=True, data_parallel_size=2)
+    assert (shared.large, shared.small) == (max(1, len(cores) // 2),) * 2
 
 
 def test_offline_engine_takes_the_default_threads(llama_path):

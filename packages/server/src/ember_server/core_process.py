@@ -150,7 +150,8 @@ def run_engine_core(
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
         step_threads = getattr(executor, "step_threads", None)  # in-process executors only
         core_sharing = None
-        if args.num_threads is None and step_threads is not None:
+        # Sibling data-parallel engines have cores of their own: they are not others to yield to.
+        if args.num_threads is None and args.data_parallel_size == 1 and step_threads is not None:
             core_sharing = CoreSharing(step_threads, OtherProcessesCPU((os.getpid(), parent_pid)))
         try:
             EngineCoreProc(engine_core, input_socket, output_socket, core_sharing).run(parent_pid)

@@ -61,7 +61,7 @@ class EngineArgs:
     ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
     the engine, every step) as every core, less one under ``ember serve`` in steps under 32
     tokens while other processes use a core (see ``default_step_threads``), shared among the
-    worker ranks when there are several.
+    worker ranks when there are several and among the engine cores under data parallelism.
     ``kv_transfer_config`` is vLLM's: ``{"kv_connector": "TieredConnector", "kv_role":
     "kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}``.
     """

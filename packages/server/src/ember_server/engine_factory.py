@@ -26,11 +26,14 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024**2
 SERVED_LARGE_STEP_TOKENS = 32
 
 
-def default_step_threads(*, served: bool) -> StepThreads:
+def default_step_threads(*, served: bool, data_parallel_size: int = 1) -> StepThreads:
     """torch's intra-op threads per step when ``EngineArgs.num_threads`` is None: every core this
     process may run on, for every step. ``served`` (``ember serve``): steps of fewer than
     ``SERVED_LARGE_STEP_TOKENS`` scheduled tokens leave a core while other processes use one
-    (``core_sharing.CoreSharing`` moves ``small``).
+    (``core_sharing.CoreSharing`` moves ``small``). Under data parallelism each engine core
+    takes its share of the cores (at least one): engines that each took every core would run
+    ``data_parallel_size`` times as many threads as there are cores, each stalling the others'
+    parallel regions.
 
     Why, measured on a quiet 2-core machine (issue 12; the server README has the figures): a
     1,500-token prefill runs 1.7x faster on two threads than on one; served, two threads for
@@ -46,7 +49,7 @@ def default_step_threads(*, served: bool) -> StepThreads:
     """
     from ember_worker.step_threads import StepThreads
 
-    cores = len(os.sched_getaffinity(0))
+    cores = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
     if not served:
         return StepThreads(cores)
     return StepThreads(cores, cores, large_min_tokens=SERVED_LARGE_STEP_TOKENS)
@@ -72,7 +75,9 @@ def make_engine_core(
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     step_threads = (
-        StepThreads(args.num_threads) if args.num_threads else default_step_threads(served=served)
+        StepThreads(args.num_threads)
+        if args.num_threads
+        else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
     # What every executor takes alike, in process or per rank.
