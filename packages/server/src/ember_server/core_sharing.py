@@ -30,13 +30,12 @@ CHECK_INTERVAL_S = 1.0
 
 class OtherProcessesCPU:
     """Cores' worth of CPU used by every process except ``pids`` between two calls, read from
-    Linux's /proc (``available`` is False where there is none)."""
+    Linux's /proc (where there is none, every sample is None and nothing changes)."""
 
     def __init__(self, pids: tuple[int, ...]) -> None:
         self.pids = pids
-        self.available = os.path.exists("/proc/stat")
-        self._ticks_per_s = os.sysconf("SC_CLK_TCK") if self.available else 0
-        self._last = self._read() if self.available else None
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        self._last = self._read()
 
     def sample(self) -> tuple[float, float] | None:
         """(cores used by the other processes since the last call, seconds since it); None if
