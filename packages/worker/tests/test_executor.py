@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import pytest
 import torch
@@ -81,6 +82,30 @@ def test_cpu_kv_cache_is_zero_aligned_and_one_tensor_per_layer_and_side(dtype):
         assert t.data_ptr() % 64 == 0 and not t.any()
     tensors[0].fill_(1)  # writing one leaves every other untouched
     assert all(not t.any() for t in tensors[1:])
+
+
+def _mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's memory mapping that holds ``address`` (Linux smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:  # a mapping's header line: start-end ...
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's smaps")
+def test_cpu_kv_cache_asks_for_no_huge_pages():
+    # A first touch on a huge page maps 2 MiB at once: it stalled cold prefills for tens of ms.
+    spec = KVCacheSpec(
+        num_layers=2, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
+    (key, _), _ = allocate_kv_cache(spec, 2048, torch.device("cpu"))  # 32 MiB
+    assert "nh" in _mapping_flags(key.data_ptr())
 
 
 @pytest.mark.parametrize(

@@ -7,16 +7,14 @@ count is decided once, from the budget, and reported to the scheduler.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from ember_worker.model_loader import LoadedModel
-
-CACHE_LINE = 64
 
 
 @dataclass(frozen=True)
@@ -94,11 +92,19 @@ def allocate_kv_cache(
 
 
 def _zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages the OS maps, already zero, on first touch: numpy's zeros
-    come from ``calloc``, which skips the memset for a large block, where ``torch.zeros`` writes
-    every byte at start-up (0.4-0.8 s for 1 GiB here; the first touch of a block later costs
-    about 0.3 ms per MiB). 64-byte aligned, as the kernels' vector loads prefer."""
+    """A zero CPU tensor on an anonymous memory map, whose pages the OS maps, already zero, on
+    first touch: ``torch.zeros`` writes every byte at start-up (0.4-0.8 s for 1 GiB here); the
+    first touch of a block later costs about 0.3 ms per MiB. Page-aligned (the kernels' vector
+    loads want 64 bytes).
+
+    Without transparent huge pages: on a huge page the first touch maps and zeroes 2 MiB at once,
+    and on this VM that stalled a cold 1,500-token prefill of the hidden-512 Llama for 74 ms
+    (every third prompt, when its blocks crossed into a new huge page) against 3.3 ms spread
+    over every prompt on small pages; decode ran as fast on either. numpy's ``zeros``, used
+    before, asks for huge pages on any array of 4 MiB or more.
+    """
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + CACHE_LINE, dtype=np.uint8))
-    offset = -raw.data_ptr() % CACHE_LINE
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, not shared memory
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
