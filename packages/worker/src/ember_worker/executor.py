@@ -27,9 +27,10 @@ class InProcessExecutor:
     specs with the ``tokenizer`` folder (default: ``model``); hand it to the engine core.
     ``num_threads`` sets torch's intra-op thread count: an int for every step, or a
     ``StepThreads`` (one count for large steps, another for small ones; kept as
-    ``step_threads``, whose counts may be changed between steps); None leaves it alone. Several ranks run in the multiprocess or Ray
-    executors (``executor_factory.make_executor``). With ``kv_transfer_config`` the runner moves
-    KV chunks between its cache and the configured tiers (``kv_transfer_store``), keyed with
+    ``step_threads``, whose counts may be changed between steps); None leaves it alone. Several
+    ranks run in the multiprocess or Ray executors (``executor_factory.make_executor``). With
+    ``kv_transfer_config`` the runner moves KV chunks between its cache and the configured tiers
+    (``kv_transfer_store``), keyed with
     ``prefix_caching_hash_algo``'s chain hashes (the scheduler's). ``execute_model(...,
     non_block=True)`` runs the step on one worker thread, steps in order (torch releases the GIL
     while it computes, so the engine core schedules meanwhile).
