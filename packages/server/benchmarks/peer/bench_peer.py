@@ -162,40 +162,41 @@ async def wait_ready(
 ) -> float:
     """Seconds from ``started`` (``time.perf_counter()`` at launch) to the first 200 from
     ``/v1/models``, polled every 50 ms."""
-    import httpx
+    import aiohttp
 
     deadline = started + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while time.perf_counter() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with code {process.returncode}")
             try:
-                if (await client.get(f"{base_url}/v1/models")).status_code == 200:
-                    return time.perf_counter() - started
-            except httpx.HTTPError:
+                async with session.get(f"{base_url}/v1/models") as response:
+                    if response.status == 200:
+                        return time.perf_counter() - started
+            except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.05)
     raise RuntimeError(f"server at {base_url} not ready after {timeout_s} s")
 
 
 async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
-    """Milliseconds from sending a streamed completion of one token to its first chunk.
+    """Milliseconds from sending a streamed completion of one token to its first chunk, on a
+    fresh connection, with the serving benchmark's client (aiohttp, as vLLM's).
 
     One token, so that its chunk carries the finish reason and every engine sends it: vLLM streams
     a chunk for each new token, Ember only once the token has text (random-weight models emit ids
     the test tokenizer renders as nothing) or ends the sequence, which with two tokens could time
     the second one for Ember."""
-    import httpx
+    import aiohttp
 
     body = dict(model=model, prompt=prompt, max_tokens=1, temperature=0.0, stream=True,
                 ignore_eos=True)  # fmt: skip
-    async with httpx.AsyncClient(timeout=None) as client:
+    async with aiohttp.ClientSession(raise_for_status=True) as session:
         start = time.perf_counter()
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else ""
-                if data and data != "[DONE]" and json.loads(data)["choices"]:
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            async for line in response.content:
+                data = line[5:].strip() if line.startswith(b"data:") else b""
+                if data and data != b"[DONE]" and json.loads(data)["choices"]:
                     return (time.perf_counter() - start) * 1e3
     raise RuntimeError(f"{base_url}: the stream ended without a token")
 

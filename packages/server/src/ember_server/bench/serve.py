@@ -4,6 +4,11 @@ For each concurrency level it sends ``--num-prompts`` requests (random token-id 
 ``ignore_eos`` so every request yields exactly ``--output-len`` tokens), at most ``concurrency``
 in flight, and reports request throughput, output tokens/s, time to first token and inter-token
 latency (p50, p99; ITL is measured between streamed chunks, as vLLM's benchmark does).
+
+The client is aiohttp, as in vLLM's serving benchmark: on these 2-core machines the load generator
+shares the cores with the server, and httpx cost 1.6-2.3 ms of client time per streamed request
+against aiohttp's 0.7 (a canned local server, ``bench_client_overhead.py``), which the time to
+first token counted as the server's.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import os
 import time
 
-import httpx
+import aiohttp
 
 from ember_server.bench.common import add_workload_args, percentiles_ms, random_prompts, write_json
 
@@ -42,17 +47,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def _stream_one(
-    client: httpx.AsyncClient, url: str, body: dict, headers: dict
+    session: aiohttp.ClientSession, url: str, body: dict, headers: dict
 ) -> RequestResult:
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last = start
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
+            async for raw_line in response.content:
+                line = raw_line.decode()
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -72,7 +78,7 @@ async def _stream_one(
                     else:
                         result.itl_s.append(now - last)
                     last = now
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e_s = time.perf_counter() - start
@@ -82,10 +88,12 @@ async def _stream_one(
 async def server_model(base_url: str, api_key: str | None) -> str:
     """The name of the (first) model a server serves."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.get(f"{base_url}/v1/models", headers=headers)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with (
+        aiohttp.ClientSession(timeout=timeout, raise_for_status=True) as session,
+        session.get(f"{base_url}/v1/models", headers=headers) as response,
+    ):
+        return (await response.json())["data"][0]["id"]
 
 
 async def run_level(
@@ -105,9 +113,10 @@ async def run_level(
     if len(max_tokens) != len(prompts):
         raise ValueError(f"{len(max_tokens)} output lengths for {len(prompts)} prompts")
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=None)
 
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(prompt: list[int], max_tokens: int) -> RequestResult:
             body = dict(
@@ -120,7 +129,7 @@ async def run_level(
                 stream_options={"include_usage": True},
             )
             async with gate:
-                return await _stream_one(client, url, body, headers)
+                return await _stream_one(session, url, body, headers)
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens)))
