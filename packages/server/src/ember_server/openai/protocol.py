@@ -57,6 +57,10 @@ def _valid_unicode(value: Any) -> Any:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
+# One prompt's token ids, a list of those, a string, or a list of strings. Token ids come first:
+# pydantic tries the members in order, and a string member tried first against 1,500 token ids
+# builds an error per id (220 µs per request against 12).
+PromptInput = list[int] | list[list[int]] | Text | list[Text]
 
 
 def random_id(prefix: str) -> str:
@@ -220,7 +224,7 @@ class _SamplingFields(OpenAIRequest):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: PromptInput
     max_tokens: Int64 | None = None  # None: OpenAI's default of 16, capped by the context left
     logprobs: Int64 | None = None
     echo: bool = False

@@ -9,10 +9,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ember_scheduler.sampling_params import INT32_MAX
-from ember_server.openai.protocol import Int64, OpenAIRequest, OpenAIResponse, Text, UsageInfo
-
-# A string, a list of strings, one prompt's token ids, or a list of those.
-PoolingInput = Text | list[Text] | list[int] | list[list[int]]
+from ember_server.openai.protocol import (
+    Int64,
+    OpenAIRequest,
+    OpenAIResponse,
+    PromptInput,
+    Text,
+    UsageInfo,
+)
 
 
 class _PoolingFields(OpenAIRequest):
@@ -22,7 +26,7 @@ class _PoolingFields(OpenAIRequest):
     add_special_tokens: bool = True
 
 
-def inputs_of(value: PoolingInput) -> list[str | list[int]]:
+def inputs_of(value: PromptInput) -> list[str | list[int]]:
     """The separate prompts of an ``input`` field (one string or token list is one prompt)."""
     if isinstance(value, str) or (value and isinstance(value[0], int)):
         return [value]
@@ -30,7 +34,7 @@ def inputs_of(value: PoolingInput) -> list[str | list[int]]:
 
 
 class EmbeddingRequest(_PoolingFields):
-    input: PoolingInput
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     normalize: bool = True  # vLLM's extra field
@@ -42,7 +46,7 @@ class EmbeddingRequest(_PoolingFields):
 
 
 class ClassificationRequest(_PoolingFields):
-    input: PoolingInput
+    input: PromptInput
 
     @model_validator(mode="after")
     def _check_input(self) -> ClassificationRequest:
@@ -62,7 +66,7 @@ class RerankRequest(_PoolingFields):
     return_documents: bool = True
 
 
-def _check_inputs(value: PoolingInput) -> None:
+def _check_inputs(value: PromptInput) -> None:
     prompts = inputs_of(value)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("input must not be empty, nor hold an empty string or token list")

@@ -70,8 +70,8 @@ class OpenAIServing:
             raise OpenAIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise OpenAIError(
                 f"{field} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                 400,
