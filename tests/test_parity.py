@@ -224,6 +224,45 @@ def test_greedy_parity_with_prefix_caching(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_parity_when_a_prompt_starts_with_a_finished_requests_partial_block(arch):
+    """A finished request's last, partly filled block is copied into a later request that starts
+    the same way: a prompt asked again gets all but its last token from the cache, the next turn
+    of a conversation (prompt, answer, new text) everything up to the answer's last token, and
+    both match transformers."""
+    core = make_engine(arch, prefix_caching=True)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 37, 70, 110)]
+    extra = torch.randint(3, 2000, (5,), generator=gen).tolist()
+
+    def generate(prompts: list[list[int]], tag: str, max_tokens: int):
+        """(greedy tokens, checked against transformers; cached prompt tokens) per prompt."""
+        for i, prompt in enumerate(prompts):
+            params = greedy(i, max_tokens)
+            core.add_request(EngineCoreRequest(f"{tag}{i}", prompt, params, eos_token_id=2))
+        tokens, cached = {i: [] for i in range(len(prompts))}, {}
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                i = int(out.request_id.removeprefix(tag))
+                tokens[i] += out.new_token_ids
+                cached[i] = out.num_cached_tokens
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                want = hf_model(arch).generate(
+                    torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False
+                )
+            assert tokens[i] == want[0, len(prompt) :].tolist(), f"{tag}{i}"
+        return [tokens[i] for i in range(len(prompts))], [cached[i] for i in range(len(prompts))]
+
+    # Answered with one token, each prompt's KV ends in its last, partly filled block.
+    assert generate(prompts, "first-", 1)[1] == [0, 0, 0, 0]
+    answers, cached = generate(prompts, "again-", 16)
+    assert cached == [len(p) - 1 for p in prompts]
+    turns = [p + answer + extra for p, answer in zip(prompts, answers)]
+    # The answers' last tokens have no KV yet (nothing ran after them).
+    assert generate(turns, "turn-", 16)[1] == [len(p) + 15 for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity_with_async_scheduling(arch):
     """Step n+1 scheduled while step n runs: unchanged tokens with ample memory, under
     preemption (each preemption here meets a step of its victim in flight), with chunked

@@ -18,6 +18,7 @@ from test_parity import (
     MAX_MODEL_LEN,
     assert_matches_hf,
     greedy,
+    hf_greedy,
     make_engine,
     model_path,
     parity_prompts,
@@ -107,6 +108,22 @@ def test_target_as_its_own_draft_accepts_every_draft(arch):
     assert totals["num_draft_tokens"] > 0
     assert totals["num_accepted_tokens"] == totals["num_draft_tokens"]
     assert_matches_hf(arch, outputs)
+
+
+def test_a_partial_prefix_hit_copies_the_draft_models_kv_too():
+    """A prompt answered once, then again: the second request copies the first one's last,
+    partly filled block, in the draft's cache as in the target's. With the target as its own
+    draft every draft is accepted only if both caches hold the same KV."""
+    config = SpeculativeConfig("draft_model", 4, model=str(tiny_model_path("llama")))
+    core = make_engine("llama", speculative_config=config, prefix_caching=True)
+    prompts = [p for p in parity_prompts() if len(p) % 16]
+    run(core, prompts, lambda i: greedy(i, 1), prefix="first-")
+    outputs, totals = run(core, prompts, greedy, prefix="again-")
+    assert totals["prefix_cache_hits"] == sum(len(p) - 1 for p in prompts)
+    assert 0 < totals["num_accepted_tokens"] == totals["num_draft_tokens"]
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy("llama")[parity_prompts().index(prompt)]
+        assert tuple(outputs[i]["tokens"]) == want
 
 
 @pytest.mark.parametrize("config", [NGRAM, one_layer_draft("llama")], ids=["ngram", "draft-model"])

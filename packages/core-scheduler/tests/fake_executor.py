@@ -130,6 +130,9 @@ class FakeExecutor:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.scheduler_outputs.append(so)
         step = len(self.scheduler_outputs)
+        if so.kv_block_copies:  # partial prefix hits: whole blocks, before anything is written
+            source, target = np.array(so.kv_block_copies).T
+            self.kv[target] = self.kv[source]
         if so.kv_connector_metadata is not None:
             self._loads += [
                 (step + self.load_delay_steps, t) for t in so.kv_connector_metadata.loads

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.executor import InProcessExecutor
-from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.step_threads import StepThreads
 
 BLOCK = 4
@@ -82,6 +82,21 @@ def test_cpu_kv_cache_is_zero_aligned_and_one_tensor_per_layer_and_side(dtype):
         assert t.data_ptr() % 64 == 0 and not t.any()
     tensors[0].fill_(1)  # writing one leaves every other untouched
     assert all(not t.any() for t in tensors[1:])
+
+
+def test_block_copies_read_every_source_before_writing_a_target():
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    caches = allocate_kv_cache(spec, 6, torch.device("cpu"))
+    for layer, (key, value) in enumerate(caches):
+        for block in range(6):
+            key[block] = 100 * layer + block
+            value[block] = -(100 * layer + block)
+    # Block 2 is a source and, in the same step, a target: block 3 must get its old contents.
+    copy_kv_blocks(caches, [(2, 3), (5, 2)])
+    for layer, (key, value) in enumerate(caches):
+        got = [int(key[block, 0, 0, 0]) - 100 * layer for block in range(6)]
+        assert got == [0, 1, 5, 2, 4, 5]
+        assert torch.equal(value, -key)
 
 
 def _mapping_flags(address: int) -> set[str]:

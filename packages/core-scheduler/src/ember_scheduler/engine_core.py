@@ -101,6 +101,8 @@ class EngineCore:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.prefix_caching_hash_algo,
             enable_kv_events=config.enable_kv_events,
+            # A connector's chunks start at block boundaries: with one, hits stay whole blocks.
+            reuse_partial_blocks=kv_transfer_config is None,
         )
         connector = None
         if kv_transfer_config is not None:

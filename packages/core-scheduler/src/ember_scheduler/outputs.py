@@ -69,6 +69,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: set[str] = msgspec.field(default_factory=set)  # worker drops these
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)  # and these
     kv_connector_metadata: KVConnectorMetadata | None = None  # KV loads and saves to run
+    # (source, target) block ids: copy every layer's KV before the forward (partial prefix hits)
+    kv_block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):

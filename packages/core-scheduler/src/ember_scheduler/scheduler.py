@@ -168,7 +168,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 removed_running.add(request)
-                self.kv_cache_manager.free(request_id)
+                self._free_blocks(request)
                 self.finished_req_ids.add(request_id)
             elif request.status == _WAITING_FOR_FSM:
                 removed_compiling = True
@@ -282,6 +282,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
             kv_connector_metadata=kv_connector_metadata,
+            kv_block_copies=self.kv_cache_manager.take_block_copies(),
         )
 
     def _schedule_running(
@@ -457,6 +458,17 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
         return token_budget
 
+    def _free_blocks(self, request: Request) -> None:
+        """Free a finished request's blocks; the KV cache manager may keep its last, partly
+        filled block findable by prefix (not while a step in flight has a token for it that it
+        does not know yet: every step that wrote its KV runs before a step that copies it)."""
+        if request.num_output_placeholders:
+            self.kv_cache_manager.free(request.request_id)
+        else:
+            self.kv_cache_manager.free(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+
     def _preempt_victim(self, current: int) -> tuple[Request, bool]:
         """Preempt the running request the policy picks (the newest under FCFS; the lowest
         priority, latest arrival under ``policy="priority"``).
@@ -471,6 +483,8 @@ class Scheduler:
         else:
             victim, position = running[-1], len(running) - 1
         del running[position]
+        # Not _free_blocks: tokens this step scheduled for it never run, so its last block's
+        # KV may be short of what num_computed_tokens says.
         self.kv_cache_manager.free(victim.request_id)
         victim.set_status(RequestStatus.PREEMPTED)
         victim.num_computed_tokens = 0
@@ -582,7 +596,7 @@ class Scheduler:
         if finished:
             for request in finished:
                 if self.kv_transfer is None:
-                    self.kv_cache_manager.free(request.request_id)
+                    self._free_blocks(request)
                 else:
                     self.kv_transfer.free_after_save(request)
                 del self.requests[request.request_id]

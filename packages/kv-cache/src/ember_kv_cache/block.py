@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 
 class KVCacheBlock:
@@ -10,7 +11,9 @@ class KVCacheBlock:
 
     ``prev_free_block`` / ``next_free_block`` link the block into the free queue while it is
     free, so that removing it from the middle of the queue (a prefix-cache hit on a free block)
-    costs O(1).
+    costs O(1). A free block that was a finished request's last, partly filled block may carry
+    ``partial`` (the chain hash before it, its extra keys and the tokens whose KV it holds) until
+    it is handed out again.
     """
 
     __slots__ = (
@@ -18,6 +21,7 @@ class KVCacheBlock:
         "block_id",
         "is_null",
         "next_free_block",
+        "partial",
         "prev_free_block",
         "ref_cnt",
     )
@@ -26,6 +30,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.partial: PartialBlock | None = None
         self.is_null = is_null
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
@@ -33,6 +38,15 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         digest = self.block_hash.hex()[:12] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={digest})"
+
+
+class PartialBlock(NamedTuple):
+    """What a free, partly filled block holds: KV of ``token_ids`` after the chain hash
+    ``parent_hash``, under the block's ``extra_keys``."""
+
+    parent_hash: bytes
+    extra_keys: tuple
+    token_ids: tuple[int, ...]
 
 
 class FreeKVCacheBlockQueue:

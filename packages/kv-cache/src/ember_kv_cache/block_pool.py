@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ember_kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
+from ember_kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock, PartialBlock
 from ember_kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from ember_kv_cache.hashing import ExtraKey
 
@@ -17,7 +17,14 @@ class BlockPool:
     can still hit it; it is evicted only when the queue hands it out again. Freed uncached blocks
     go to the front of the queue and freed cached blocks to the back, so the eviction order is:
     uncached blocks first, then cached ones from least recently used.
+
+    Partly filled blocks of finished requests can be indexed too (``cache_partial_block``), under
+    the chain hash of the full blocks before them, at most ``MAX_PARTIAL_PER_PARENT`` per parent:
+    they stay free and are never shared, but a request whose next tokens match the start of one
+    can copy its KV (``find_partial_block``) instead of computing it.
     """
+
+    MAX_PARTIAL_PER_PARENT = 4
 
     def __init__(
         self, num_blocks: int, *, enable_caching: bool = True, enable_kv_events: bool = False
@@ -34,6 +41,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.partial_blocks: dict[bytes, list[KVCacheBlock]] = {}  # oldest first
         self.kv_event_queue: list[KVCacheEvent] = []
 
     @property
@@ -62,6 +70,8 @@ class BlockPool:
             block = popleft()
             if block.block_hash is not None:
                 self._evict(block)
+            if block.partial is not None:
+                self._forget_partial(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
@@ -72,6 +82,43 @@ class BlockPool:
         block.block_hash = None
         if self.enable_kv_events:
             self.kv_event_queue.append(BlockRemoved(block_hash=block_hash, block_id=block.block_id))
+
+    def cache_partial_block(self, block: KVCacheBlock, partial: PartialBlock) -> None:
+        """Index a partly filled block that its (only) request is about to free."""
+        if block.ref_cnt != 1 or block.block_hash is not None or block.partial is not None:
+            raise ValueError(f"block {block.block_id} cannot be cached as a partial block")
+        block.partial = partial
+        siblings = self.partial_blocks.setdefault(partial.parent_hash, [])
+        siblings.append(block)
+        if len(siblings) > self.MAX_PARTIAL_PER_PARENT:
+            self._forget_partial(siblings[0])
+
+    def find_partial_block(
+        self, parent_hash: bytes, extra_keys: tuple, token_ids: Sequence[int]
+    ) -> tuple[KVCacheBlock | None, int]:
+        """The free partial block under ``parent_hash`` whose tokens share the longest start
+        with ``token_ids``, and that length (``(None, 0)`` when none shares any)."""
+        best, best_len = None, 0
+        for block in self.partial_blocks.get(parent_hash, ()):
+            partial = block.partial
+            if partial.extra_keys != extra_keys:
+                continue
+            length = 0
+            for cached, wanted in zip(partial.token_ids, token_ids):
+                if cached != wanted:
+                    break
+                length += 1
+            if length > best_len:
+                best, best_len = block, length
+        return best, best_len
+
+    def _forget_partial(self, block: KVCacheBlock) -> None:
+        parent_hash = block.partial.parent_hash
+        siblings = self.partial_blocks[parent_hash]
+        siblings.remove(block)
+        if not siblings:
+            del self.partial_blocks[parent_hash]
+        block.partial = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (prefix-cache hits), taking free ones off the queue."""
@@ -91,7 +138,7 @@ class BlockPool:
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if block.block_hash is None and block.partial is None:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
@@ -131,6 +178,10 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        for siblings in self.partial_blocks.values():
+            for block in siblings:
+                block.partial = None
+        self.partial_blocks.clear()
         if self.enable_kv_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

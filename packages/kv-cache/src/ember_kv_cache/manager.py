@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ember_kv_cache.block import KVCacheBlock
+from ember_kv_cache.block import KVCacheBlock, PartialBlock
 from ember_kv_cache.block_pool import BlockPool
 from ember_kv_cache.events import KVCacheEvent
 from ember_kv_cache.hashing import BlockHasher, BlockHashExtras
@@ -16,17 +16,23 @@ from ember_kv_cache.stats import PrefixCacheStats
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    """The longest cached prefix found for a request: whole blocks whose KV is already stored.
+    """The longest cached prefix found for a request: whole blocks whose KV is already stored,
+    and (with ``reuse_partial_blocks``) the start of the next block, whose KV a free block holds
+    and the request's new block gets by copy.
 
     Hand it to ``KVCacheManager.allocate_slots`` (as ``computed``) right after the lookup; the
     manager refuses it with a ValueError if one of its blocks was evicted in between.
     """
 
     block_ids: list[int]
-    num_computed_tokens: int
+    num_computed_tokens: int  # whole blocks' tokens plus num_partial_tokens
     blocks: tuple[KVCacheBlock, ...] = field(default=(), repr=False)
     block_hashes: tuple[bytes, ...] = field(default=(), repr=False)
     extras: BlockHashExtras | None = field(default=None, repr=False)
+    partial_block: KVCacheBlock | None = field(default=None, repr=False)
+    num_partial_tokens: int = 0
+    # What partial_block held at the lookup: (its hash, its partial entry).
+    partial_state: tuple = field(default=(), repr=False)
 
 
 class _RequestBlocks:
@@ -51,6 +57,14 @@ class KVCacheManager:
     ``"sha256"`` (default), ``"xxhash64"`` or ``"xxhash128"`` (the last two need the ``xxhash``
     extra); managers with the same ``block_size``, ``hash_algo`` and ``hash_seed`` produce the
     same block hashes.
+
+    With ``reuse_partial_blocks`` a prefix hit also covers the start of the block after the
+    whole cached blocks when a free block holds its KV: a finished request's last, partly filled
+    block (``free`` given the request's token ids) or a cached whole block of which the request
+    needs all but its last tokens. The request's own block then gets those slots by a copy,
+    which the engine must run before its next forward writes any KV: ``take_block_copies``, once
+    per step, which also ends the step (a block cached in the step, whose KV that step's forward
+    has yet to write, is no copy source before it).
     """
 
     def __init__(
@@ -62,6 +76,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         hash_seed: bytes = b"",
         enable_kv_events: bool = False,
+        reuse_partial_blocks: bool = False,
     ) -> None:
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
         self.block_pool = BlockPool(
@@ -70,6 +85,9 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.reuse_partial_blocks = reuse_partial_blocks and enable_caching
+        self._block_copies: list[tuple[int, int]] = []
+        self._blocks_cached_this_step: set[int] = set()
         self._requests: dict[str, _RequestBlocks] = {}
         self._stats = PrefixCacheStats()
         self._first_hash_boundary = block_size if enable_caching else sys.maxsize
@@ -105,13 +123,17 @@ class KVCacheManager:
         parent = self.hasher.root_hash
         for index in range(max(0, (len(token_ids) - 1) // size)):
             keys = extras.block_extra_keys(index, size) if extras is not None else ()
-            parent = hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
-            block = cached.get(parent)
+            block_hash = hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
+            block = cached.get(block_hash)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(parent)
-        num_hit_tokens = len(blocks) * size
+            hashes.append(block_hash)
+            parent = block_hash
+        partial_block, num_partial = None, 0
+        if self.reuse_partial_blocks:
+            partial_block, num_partial = self._find_partial(token_ids, len(blocks), parent, extras)
+        num_hit_tokens = len(blocks) * size + num_partial
         self._stats.record(len(token_ids), num_hit_tokens)
         return ComputedBlocks(
             [block.block_id for block in blocks],
@@ -119,7 +141,31 @@ class KVCacheManager:
             tuple(blocks),
             tuple(hashes),
             extras,
+            partial_block,
+            num_partial,
+            (partial_block.block_hash, partial_block.partial) if partial_block else (),
         )
+
+    def _find_partial(
+        self,
+        token_ids: Sequence[int],
+        index: int,
+        parent: bytes,
+        extras: BlockHashExtras | None,
+    ) -> tuple[KVCacheBlock | None, int]:
+        """A block holding KV of the start of block ``index`` (after the chain hash ``parent``),
+        and how many of the request's tokens it covers, leaving the last token to compute."""
+        size = self.block_size
+        start, end = index * size, min((index + 1) * size, len(token_ids) - 1)
+        if end <= start:
+            return None, 0
+        keys = extras.block_extra_keys(index, size) if extras is not None else ()
+        if len(token_ids) >= start + size:  # the whole block is known: it may be cached whole
+            block_hash = self.hasher.hash_block(parent, token_ids[start : start + size], keys)
+            whole = self.block_pool.get_cached_block(block_hash)
+            if whole is not None and whole.block_id not in self._blocks_cached_this_step:
+                return whole, end - start
+        return self.block_pool.find_partial_block(parent, keys, token_ids[start:end])
 
     def allocate_slots(
         self,
@@ -198,7 +244,8 @@ class KVCacheManager:
             )
         hit_blocks: tuple[KVCacheBlock, ...] = ()
         computed_hashes: tuple[bytes, ...] = ()
-        if computed is not None and computed.blocks:
+        num_partial = 0
+        if computed is not None and computed.num_computed_tokens:
             if state is not None:
                 raise ValueError(
                     f"computed blocks can only be taken over by a new request; "
@@ -207,11 +254,12 @@ class KVCacheManager:
             self._check_computed(computed, extras)
             hit_blocks = computed.blocks
             computed_hashes = computed.block_hashes
+            num_partial = computed.num_partial_tokens
         if state is not None and extras is not None and extras != state.extras:
             raise ValueError(f"extras of request {request_id!r} differ from its first allocation")
 
         size = self.block_size
-        num_total_computed = num_computed_tokens + len(hit_blocks) * size
+        num_total_computed = num_computed_tokens + len(hit_blocks) * size + num_partial
         num_required_tokens = num_total_computed + num_new_tokens + num_lookahead_tokens
         num_required_blocks = -(-num_required_tokens // size)
         num_held_blocks = len(state.blocks) if state is not None else 0
@@ -245,15 +293,22 @@ class KVCacheManager:
         new_block_ids = [block.block_id for block in new_blocks]
         state.block_ids.extend(new_block_ids)
         state.capacity = len(state.blocks) * size
+        if num_partial:
+            source, target = computed.partial_block.block_id, state.block_ids[len(hit_blocks)]
+            if source != target:  # handed out again as this very block: its KV is in place
+                self._block_copies.append((source, target))
         if self.enable_caching:
             self._cache_full_blocks(state, new_full_blocks)
         return new_block_ids
 
     def _check_computed(self, computed: ComputedBlocks, extras: BlockHashExtras | None) -> None:
+        num_partial = computed.num_partial_tokens
         if (
             len(computed.blocks) != len(computed.block_hashes)
             or len(computed.blocks) != len(computed.block_ids)
-            or computed.num_computed_tokens != len(computed.blocks) * self.block_size
+            or computed.num_computed_tokens != len(computed.blocks) * self.block_size + num_partial
+            or not 0 <= num_partial < self.block_size
+            or (num_partial > 0) != (computed.partial_block is not None)
         ):
             raise ValueError("computed is not a ComputedBlocks returned by get_computed_blocks")
         if computed.extras != extras:
@@ -264,6 +319,12 @@ class KVCacheManager:
                     f"computed blocks are stale: block {block.block_id} was evicted since "
                     "get_computed_blocks; look the prefix up again"
                 )
+        partial = computed.partial_block
+        if partial is not None and (partial.block_hash, partial.partial) != computed.partial_state:
+            raise ValueError(
+                f"computed blocks are stale: block {partial.block_id} was handed out since "
+                "get_computed_blocks; look the prefix up again"
+            )
 
     def _hash_new_full_blocks(
         self,
@@ -294,16 +355,62 @@ class KVCacheManager:
             parent = hashes[-1] if index else None
             cache_full_block(state.blocks[index], block_hash, parent, tokens, keys)
             hashes.append(block_hash)
+            if self.reuse_partial_blocks:
+                self._blocks_cached_this_step.add(state.blocks[index].block_id)
         state.hash_boundary = (len(hashes) + 1) * self.block_size
 
-    def free(self, request_id: str) -> None:
-        """Release a request's blocks, last block first, so that its tail is evicted first."""
-        state = self._requests.pop(request_id, None)
+    def free(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        num_computed_tokens: int = 0,
+    ) -> None:
+        """Release a request's blocks, last block first, so that its tail is evicted first.
+
+        With ``reuse_partial_blocks``, ``token_ids`` (the request's tokens) and
+        ``num_computed_tokens`` (how many of them have their KV written) index its last, partly
+        filled block for later requests that start the same way.
+        """
+        state = self._requests.get(request_id)
         if state is None:
             raise ValueError(
                 f"cannot free unknown request {request_id!r} (never allocated or already freed)"
             )
+        if token_ids is not None and not 0 <= num_computed_tokens <= min(
+            len(token_ids), state.capacity
+        ):
+            raise ValueError(
+                f"num_computed_tokens={num_computed_tokens!r} must be in [0, "
+                f"{min(len(token_ids), state.capacity)}] for request {request_id!r}"
+            )
+        del self._requests[request_id]
+        if token_ids is not None and self.reuse_partial_blocks:
+            self._cache_partial_tail(state, token_ids, num_computed_tokens)
         self.block_pool.free_blocks(state.blocks[::-1])
+
+    def _cache_partial_tail(
+        self, state: _RequestBlocks, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        size = self.block_size
+        index = len(state.block_hashes)
+        start = index * size
+        if not 0 < num_computed_tokens - start < size or index >= len(state.blocks):
+            return
+        block = state.blocks[index]
+        if block.ref_cnt != 1 or block.block_hash is not None or block.partial is not None:
+            return
+        parent = state.block_hashes[-1] if index else self.hasher.root_hash
+        keys = state.extras.block_extra_keys(index, size) if state.extras is not None else ()
+        tokens = tuple(int(t) for t in token_ids[start:num_computed_tokens])
+        self.block_pool.cache_partial_block(block, PartialBlock(parent, keys, tokens))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """``(source, target)`` block ids whose KV to copy, all layers, every slot, since the
+        last call; run them before the next forward writes any KV (``reuse_partial_blocks``)."""
+        copies = self._block_copies
+        self._block_copies = []
+        self._blocks_cached_this_step.clear()
+        return copies
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table."""

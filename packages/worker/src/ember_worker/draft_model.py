@@ -48,11 +48,13 @@ class DraftModelProposer:
         self.batch = batch
         self.num_speculative_tokens = config.num_speculative_tokens
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, batch.block_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Draft distributions of each request's pending drafts, [num_drafts, vocab].
         self.draft_probs: dict[str, torch.Tensor] = {}
 
     def initialize_kv_cache(self, num_blocks: int, device: torch.device) -> None:
-        bind_kv_cache(self.model, allocate_kv_cache(self.kv_cache_spec, num_blocks, device))
+        self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, device)
+        bind_kv_cache(self.model, self.kv_caches)
 
     def catch_up(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

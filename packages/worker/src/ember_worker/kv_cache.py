@@ -91,6 +91,18 @@ def allocate_kv_cache(
     return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
 
 
+def copy_kv_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]
+) -> None:
+    """Copy whole blocks of every layer's keys and values, ``(source, target)`` block ids; each
+    layer reads all its sources before it writes a target."""
+    index = torch.tensor(copies, dtype=torch.int64, device=kv_caches[0][0].device)
+    source, target = index[:, 0], index[:, 1]
+    for key_cache, value_cache in kv_caches:
+        key_cache[target] = key_cache[source]
+        value_cache[target] = value_cache[source]
+
+
 def _zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor on an anonymous memory map, whose pages the OS maps, already zero, on
     first touch: ``torch.zeros`` writes every byte at start-up (0.4-0.8 s for 1 GiB here); the

@@ -18,7 +18,7 @@ from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData,
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
-from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.kv_connector import TieredConnectorWorker
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
@@ -84,6 +84,7 @@ class ModelRunner:
         )
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._block_indexed_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: TieredConnectorWorker | None = None
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
@@ -99,8 +100,12 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches)
+        # Every cache indexed by the scheduler's block ids: block copies apply to all of them.
+        self._block_indexed_caches = list(self.kv_caches)
         if self.spec_decoder is not None and self.spec_decoder.draft_model is not None:
-            self.spec_decoder.draft_model.initialize_kv_cache(num_blocks, self.device)
+            draft = self.spec_decoder.draft_model
+            draft.initialize_kv_cache(num_blocks, self.device)
+            self._block_indexed_caches += draft.kv_caches
 
     def register_kv_connector(self, connector: TieredConnectorWorker) -> None:
         """Move KV chunks between this runner's cache and a tier store (after initialize)."""
@@ -125,6 +130,8 @@ class ModelRunner:
             raise ValueError(
                 "scheduled_spec_decode_tokens needs a model runner built with a speculative_config"
             )
+        if scheduler_output.kv_block_copies:
+            copy_kv_blocks(self._block_indexed_caches, scheduler_output.kv_block_copies)
         self._update_states(scheduler_output)
         batch = self.input_batch
         req_ids = batch.req_ids  # a copy: the batch's own list changes next step
