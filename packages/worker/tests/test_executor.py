@@ -84,14 +84,14 @@ def test_cpu_kv_cache_is_zero_aligned_and_one_tensor_per_layer_and_side(dtype):
     assert all(not t.any() for t in tensors[1:])
 
 
-def test_block_copies_read_every_source_before_writing_a_target():
+def test_block_copies_run_in_order_on_every_layer():
     spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
     caches = allocate_kv_cache(spec, 6, torch.device("cpu"))
     for layer, (key, value) in enumerate(caches):
         for block in range(6):
             key[block] = 100 * layer + block
             value[block] = -(100 * layer + block)
-    # Block 2 is a source and, in the same step, a target: block 3 must get its old contents.
+    # Block 2 is a source, then a target: block 3 gets its old contents.
     copy_kv_blocks(caches, [(2, 3), (5, 2)])
     for layer, (key, value) in enumerate(caches):
         got = [int(key[block, 0, 0, 0]) - 100 * layer for block in range(6)]
