@@ -11,6 +11,7 @@ process also ends when its parent is gone, so an engine is never orphaned.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -147,6 +148,10 @@ def run_engine_core(
             max_num_kv_tokens=engine_core.max_num_tokens,
             prefix_caching_hash_algo=engine_core.kv_cache_manager.hasher.algo,
         )
+        # The start-up heap (torch, transformers, the model: ~230k objects) never becomes
+        # garbage: frozen, a full collection no longer scans it (56-119 ms here, in a step).
+        gc.collect()
+        gc.freeze()
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
         step_threads = getattr(executor, "step_threads", None)  # in-process executors only
         core_sharing = None
