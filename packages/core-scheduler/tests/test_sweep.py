@@ -150,3 +150,9 @@ def test_full_sweep(kind, block_size, pool_factor, policy, spec, caching):
             caching,
             async_scheduling,
         )
+
+
+def test_a_stop_inside_accepted_drafts_changes_nothing():
+    # The stop drops the accepted tokens after it, whose KV was computed: the finished request's
+    # last block is indexed by the tokens it kept (it was a ValueError), outputs are unchanged.
+    _run("mixed", 4, 8, 20, 64, "fcfs", spec=3)

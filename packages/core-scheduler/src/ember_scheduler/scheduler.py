@@ -464,10 +464,11 @@ class Scheduler:
         does not know yet: every step that wrote its KV runs before a step that copies it)."""
         if request.num_output_placeholders:
             self.kv_cache_manager.free(request.request_id)
-        else:
-            self.kv_cache_manager.free(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+            return
+        # Accepted draft tokens after a stop are computed but dropped from the request.
+        tokens = request.all_token_ids
+        num_computed = min(request.num_computed_tokens, len(tokens))
+        self.kv_cache_manager.free(request.request_id, tokens, num_computed)
 
     def _preempt_victim(self, current: int) -> tuple[Request, bool]:
         """Preempt the running request the policy picks (the newest under FCFS; the lowest
