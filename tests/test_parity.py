@@ -225,10 +225,11 @@ def test_greedy_parity_with_prefix_caching(arch):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity_when_a_prompt_starts_with_a_finished_requests_partial_block(arch):
-    """A finished request's last, partly filled block is copied into a later request that starts
-    the same way: a prompt asked again gets all but its last token from the cache, the next turn
-    of a conversation (prompt, answer, new text) everything up to the answer's last token, and
-    both match transformers."""
+    """A finished request's last, partly filled block, or the start of a cached whole block, is
+    copied into a later request that starts the same way: a prompt asked again gets all but its
+    last token from the cache (also after a long answer filled the block), the next turn of a
+    conversation (prompt, answer, new text) everything up to the answer's last token, and all
+    match transformers."""
     core = make_engine(arch, prefix_caching=True)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (21, 37, 70, 110)]
@@ -257,6 +258,9 @@ def test_greedy_parity_when_a_prompt_starts_with_a_finished_requests_partial_blo
     assert generate(prompts, "first-", 1)[1] == [0, 0, 0, 0]
     answers, cached = generate(prompts, "again-", 16)
     assert cached == [len(p) - 1 for p in prompts]
+    # Asked once more: the block holding each prompt's end was filled by the answer and cached
+    # whole; its first tokens still serve the prompt.
+    assert generate(prompts, "later-", 16) == (answers, [len(p) - 1 for p in prompts])
     turns = [p + answer + extra for p, answer in zip(prompts, answers)]
     # The answers' last tokens have no KV yet (nothing ran after them).
     assert generate(turns, "turn-", 16)[1] == [len(p) + 15 for p in prompts]

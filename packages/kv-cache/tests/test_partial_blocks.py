@@ -60,13 +60,29 @@ def test_a_cached_whole_block_serves_all_but_the_last_token():
     assert hit.partial_block.block_hash is not None
 
 
+def test_a_prompt_asked_again_after_a_long_answer_copies_the_start_of_the_block_it_filled():
+    mgr = KVCacheManager(32, BLOCK, reuse_partial_blocks=True)
+    prompt = [5, 6, 7, 8, 9, 10]  # its last two tokens start block 1
+    prefill(mgr, "a", prompt)
+    tokens = [*prompt, 40, 41, 42, 43]  # the answer fills block 1 (cached whole) and goes on
+    for n in range(6, 10):
+        mgr.allocate_slots("a", tokens[: n + 1], 1, num_computed_tokens=n)
+    a_blocks = mgr.get_block_ids("a")
+    finish(mgr, "a", tokens, 10)
+    hit = mgr.get_computed_blocks("b", prompt)
+    assert (hit.num_computed_tokens, hit.num_partial_tokens) == (5, 1)
+    assert hit.partial_block.block_id == a_blocks[1]
+
+
 def test_a_block_cached_in_this_step_is_no_copy_source_until_the_step_ends():
     mgr = KVCacheManager(32, BLOCK, reuse_partial_blocks=True)
     prompt = [1, 1, 1, 1]
     prefill(mgr, "a", prompt)  # its block is cached now, its KV written by the coming forward
     assert mgr.get_computed_blocks("b", prompt).num_computed_tokens == 0
+    assert mgr.get_computed_blocks("b", [1, 1, 1, 2, 3]).num_computed_tokens == 0
     mgr.take_block_copies()
     assert mgr.get_computed_blocks("b", prompt).num_computed_tokens == 3
+    assert mgr.get_computed_blocks("b", [1, 1, 1, 2, 3]).num_computed_tokens == 3
 
 
 def test_a_partial_block_handed_out_again_is_forgotten_and_a_stale_hit_refused():
@@ -81,7 +97,8 @@ def test_a_partial_block_handed_out_again_is_forgotten_and_a_stale_hit_refused()
         mgr.allocate_slots("b", prompt, 1, computed=hit)
     mgr.free("c")
     assert mgr.get_computed_blocks("b", prompt).num_computed_tokens == 0
-    assert mgr.block_pool.partial_blocks == {}
+    indexed = [b.partial for blocks in mgr.block_pool.partial_blocks.values() for b in blocks]
+    assert all(p.token_ids[0] >= 100 for p in indexed)  # c's blocks only
 
 
 def test_partial_blocks_are_evicted_before_the_blocks_before_them():

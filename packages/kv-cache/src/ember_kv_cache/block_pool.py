@@ -18,10 +18,11 @@ class BlockPool:
     go to the front of the queue and freed cached blocks to the back, so the eviction order is:
     uncached blocks first, then cached ones from least recently used.
 
-    Partly filled blocks of finished requests can be indexed too (``cache_partial_block``), under
-    the chain hash of the full blocks before them, at most ``MAX_PARTIAL_PER_PARENT`` per parent:
-    they stay free and are never shared, but a request whose next tokens match the start of one
-    can copy its KV (``find_partial_block``) instead of computing it.
+    Blocks can also be indexed by their tokens, under the chain hash of the blocks before them,
+    at most ``MAX_PARTIAL_PER_PARENT`` per parent (the oldest leaves the index): partly filled
+    blocks of finished requests (``cache_partial_block``; free and never shared) and cached whole
+    blocks (``index_block_tokens``). A request whose next tokens match the start of one can copy
+    its KV (``find_partial_block``) instead of computing it.
     """
 
     MAX_PARTIAL_PER_PARENT = 4
@@ -87,6 +88,15 @@ class BlockPool:
         """Index a partly filled block that its (only) request is about to free."""
         if block.ref_cnt != 1 or block.block_hash is not None or block.partial is not None:
             raise ValueError(f"block {block.block_id} cannot be cached as a partial block")
+        self._index(block, partial)
+
+    def index_block_tokens(self, block: KVCacheBlock, tokens: PartialBlock) -> None:
+        """Index a cached whole block by its tokens too (it leaves the index when evicted)."""
+        if block.block_hash is None or block.partial is not None:
+            raise ValueError(f"block {block.block_id} is not a newly cached whole block")
+        self._index(block, tokens)
+
+    def _index(self, block: KVCacheBlock, partial: PartialBlock) -> None:
         block.partial = partial
         siblings = self.partial_blocks.setdefault(partial.parent_hash, [])
         siblings.append(block)
@@ -94,14 +104,19 @@ class BlockPool:
             self._forget_partial(siblings[0])
 
     def find_partial_block(
-        self, parent_hash: bytes, extra_keys: tuple, token_ids: Sequence[int]
+        self,
+        parent_hash: bytes,
+        extra_keys: tuple,
+        token_ids: Sequence[int],
+        exclude: set[int] = frozenset(),
     ) -> tuple[KVCacheBlock | None, int]:
-        """The free partial block under ``parent_hash`` whose tokens share the longest start
-        with ``token_ids``, and that length (``(None, 0)`` when none shares any)."""
+        """The indexed block under ``parent_hash`` (none of the ids in ``exclude``) whose tokens
+        share the longest start with ``token_ids``, and that length (``(None, 0)`` when none
+        shares any)."""
         best, best_len = None, 0
         for block in self.partial_blocks.get(parent_hash, ()):
             partial = block.partial
-            if partial.extra_keys != extra_keys:
+            if partial.extra_keys != extra_keys or block.block_id in exclude:
                 continue
             length = 0
             for cached, wanted in zip(partial.token_ids, token_ids):

@@ -165,7 +165,9 @@ class KVCacheManager:
             whole = self.block_pool.get_cached_block(block_hash)
             if whole is not None and whole.block_id not in self._blocks_cached_this_step:
                 return whole, end - start
-        return self.block_pool.find_partial_block(parent, keys, token_ids[start:end])
+        return self.block_pool.find_partial_block(
+            parent, keys, token_ids[start:end], self._blocks_cached_this_step
+        )
 
     def allocate_slots(
         self,
@@ -353,10 +355,17 @@ class KVCacheManager:
         for block_hash, tokens, keys in new_full_blocks:
             index = len(hashes)
             parent = hashes[-1] if index else None
-            cache_full_block(state.blocks[index], block_hash, parent, tokens, keys)
+            block = state.blocks[index]
+            cache_full_block(block, block_hash, parent, tokens, keys)
             hashes.append(block_hash)
-            if self.reuse_partial_blocks:
-                self._blocks_cached_this_step.add(state.blocks[index].block_id)
+            if self.reuse_partial_blocks and block.block_hash == block_hash:
+                # Also findable by its first tokens (a prompt asked again after an answer that
+                # filled the block), once this step's forward has written it.
+                self._blocks_cached_this_step.add(block.block_id)
+                partial = PartialBlock(
+                    parent or self.hasher.root_hash, keys, tuple(int(t) for t in tokens)
+                )
+                self.block_pool.index_block_tokens(block, partial)
         state.hash_boundary = (len(hashes) + 1) * self.block_size
 
     def free(
