@@ -1,5 +1,7 @@
 """Hypothesis state machine: random lookups, allocations, frees and resets across many requests,
-checking the pool's bookkeeping against a simple model after every step."""
+checking the pool's bookkeeping against a simple model after every step, and what a KV cache
+run by these block tables would hold (each rule is one engine step: the manager's block copies,
+then the KV of the step's tokens)."""
 
 from collections import Counter
 
@@ -45,12 +47,20 @@ class _Request:
 class KVCacheMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
     hash_algo = "sha256"
+    reuse_partial_blocks = False
 
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVCacheManager(
-            NUM_BLOCKS, BLOCK, hash_algo=self.hash_algo, enable_kv_events=True
+            NUM_BLOCKS,
+            BLOCK,
+            hash_algo=self.hash_algo,
+            enable_kv_events=True,
+            reuse_partial_blocks=self.reuse_partial_blocks,
         )
+        # (block id, slot) -> what the KV there was computed from: the tokens up to and
+        # including its position, and the request's extras.
+        self.kv: dict[tuple[int, int], tuple[tuple[int, ...], BlockHashExtras | None]] = {}
         self.model: dict[str, _Request] = {}
         # block id -> (token ids up to the end of that block, extras), recorded when written.
         self.content: dict[int, tuple[tuple[int, ...], BlockHashExtras | None]] = {}
@@ -93,11 +103,27 @@ class KVCacheMachine(RuleBasedStateMachine):
         hit_ids = computed.block_ids if computed is not None else []
         assert self.mgr.get_block_ids(rid) == table_before + hit_ids + new_ids
         self.model[rid] = request
-        request.num_computed_tokens += num_new + len(hit_ids) * BLOCK
+        start = request.num_computed_tokens + (computed.num_computed_tokens if computed else 0)
+        self._run_step(rid, request, start, start + num_new)
+        request.num_computed_tokens = start + num_new
         if request.num_computed_tokens == len(request.tokens):
             request.tokens.append(len(request.tokens) % 5)  # the token sampled this step
         self._record_content(rid)
         return True
+
+    def _run_step(self, rid: str, request: _Request, start: int, end: int) -> None:
+        """The step's block copies, then the KV of positions [start, end)."""
+        for source, target in self.mgr.take_block_copies():
+            event("block copy")
+            for slot in range(BLOCK):
+                if (source, slot) in self.kv:
+                    self.kv[target, slot] = self.kv[source, slot]
+        table = self.mgr.get_block_ids(rid)
+        for position in range(start, end):
+            self.kv[table[position // BLOCK], position % BLOCK] = (
+                tuple(request.tokens[: position + 1]),
+                request.extras,
+            )
 
     @rule(
         target=requests,
@@ -112,7 +138,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         tokens = [*prefix, *suffix]
         hit = self.mgr.get_computed_blocks(rid, tokens, extras)
-        assert hit.num_computed_tokens == len(hit.block_ids) * BLOCK < len(tokens)
+        assert (
+            hit.num_computed_tokens
+            == len(hit.block_ids) * BLOCK + hit.num_partial_tokens
+            < len(tokens)
+        )
         for index, block_id in enumerate(hit.block_ids):
             assert self.content[block_id] == (tuple(tokens[: (index + 1) * BLOCK]), extras)
         if hit.block_ids:
@@ -134,8 +164,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(rid=consumes(requests))
     def free(self, rid):
         if rid in self.model:
-            self.mgr.free(rid)
-            del self.model[rid]
+            request = self.model.pop(rid)
+            self.mgr.free(rid, request.tokens, request.num_computed_tokens)
 
     @rule()
     def lookup_only(self):
@@ -196,6 +226,14 @@ class KVCacheMachine(RuleBasedStateMachine):
                 event("eviction")
 
     @invariant()
+    def kv_of_every_request_was_computed_from_its_tokens(self):
+        for rid, request in self.model.items():
+            table = self.mgr.get_block_ids(rid)
+            for position in range(request.num_computed_tokens):
+                expected = (tuple(request.tokens[: position + 1]), request.extras)
+                assert self.kv[table[position // BLOCK], position % BLOCK] == expected
+
+    @invariant()
     def blocks_cover_tokens(self):
         for rid, request in self.model.items():
             assert len(self.mgr.get_block_ids(rid)) * BLOCK >= request.num_computed_tokens
@@ -214,6 +252,18 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+class PartialBlocksKVCacheMachine(KVCacheMachine):
+    """The same machine with prefix hits inside a block (copies of partly matching blocks)."""
+
+    reuse_partial_blocks = True
+
+
+PartialBlocksKVCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None
+)
+TestPartialBlocksKVCacheMachine = PartialBlocksKVCacheMachine.TestCase
 
 
 class XXHashKVCacheMachine(KVCacheMachine):
