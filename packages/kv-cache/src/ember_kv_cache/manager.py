@@ -31,8 +31,8 @@ class ComputedBlocks:
     extras: BlockHashExtras | None = field(default=None, repr=False)
     partial_block: KVCacheBlock | None = field(default=None, repr=False)
     num_partial_tokens: int = 0
-    # What partial_block held at the lookup: (its hash, its partial entry).
-    partial_state: tuple = field(default=(), repr=False)
+    # What partial_block held at the lookup (its token index entry).
+    partial_state: PartialBlock | None = field(default=None, repr=False)
 
 
 class _RequestBlocks:
@@ -59,12 +59,12 @@ class KVCacheManager:
     same block hashes.
 
     With ``reuse_partial_blocks`` a prefix hit also covers the start of the block after the
-    whole cached blocks when a free block holds its KV: a finished request's last, partly filled
-    block (``free`` given the request's token ids) or a cached whole block of which the request
-    needs all but its last tokens. The request's own block then gets those slots by a copy,
-    which the engine must run before its next forward writes any KV: ``take_block_copies``, once
-    per step, which also ends the step (a block cached in the step, whose KV that step's forward
-    has yet to write, is no copy source before it).
+    whole cached blocks when a block indexed by its tokens holds their KV: a finished request's
+    last, partly filled block (``free`` given the request's token ids) or a cached whole block
+    whose first tokens are the request's next ones. The request's own block then gets those
+    slots by a copy, which the engine must run before its next forward writes any KV:
+    ``take_block_copies``, once per step, which also ends the step (a block cached in the step,
+    whose KV that step's forward has yet to write, is no copy source before it).
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class KVCacheManager:
             extras,
             partial_block,
             num_partial,
-            (partial_block.block_hash, partial_block.partial) if partial_block else (),
+            partial_block.partial if partial_block else None,
         )
 
     def _find_partial(
@@ -160,11 +160,6 @@ class KVCacheManager:
         if end <= start:
             return None, 0
         keys = extras.block_extra_keys(index, size) if extras is not None else ()
-        if len(token_ids) >= start + size:  # the whole block is known: it may be cached whole
-            block_hash = self.hasher.hash_block(parent, token_ids[start : start + size], keys)
-            whole = self.block_pool.get_cached_block(block_hash)
-            if whole is not None and whole.block_id not in self._blocks_cached_this_step:
-                return whole, end - start
         return self.block_pool.find_partial_block(
             parent, keys, token_ids[start:end], self._blocks_cached_this_step
         )
@@ -322,7 +317,9 @@ class KVCacheManager:
                     "get_computed_blocks; look the prefix up again"
                 )
         partial = computed.partial_block
-        if partial is not None and (partial.block_hash, partial.partial) != computed.partial_state:
+        # Identity, not equality: a block handed out and filled again with the same tokens gets a
+        # new entry, and its KV may be unwritten yet.
+        if partial is not None and partial.partial is not computed.partial_state:
             raise ValueError(
                 f"computed blocks are stale: block {partial.block_id} was handed out since "
                 "get_computed_blocks; look the prefix up again"
@@ -362,9 +359,7 @@ class KVCacheManager:
                 # Also findable by its first tokens (a prompt asked again after an answer that
                 # filled the block), once this step's forward has written it.
                 self._blocks_cached_this_step.add(block.block_id)
-                partial = PartialBlock(
-                    parent or self.hasher.root_hash, keys, tuple(int(t) for t in tokens)
-                )
+                partial = PartialBlock(parent or self.hasher.root_hash, keys, tuple(tokens))
                 self.block_pool.index_block_tokens(block, partial)
         state.hash_boundary = (len(hashes) + 1) * self.block_size
 

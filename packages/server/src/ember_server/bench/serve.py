@@ -6,9 +6,9 @@ in flight, and reports request throughput, output tokens/s, time to first token 
 latency (p50, p99; ITL is measured between streamed chunks, as vLLM's benchmark does).
 
 The client is aiohttp, as in vLLM's serving benchmark: on these 2-core machines the load generator
-shares the cores with the server, and httpx cost 1.6-2.3 ms of client time per streamed request
-against aiohttp's 0.7 (a canned local server, ``bench_client_overhead.py``), which the time to
-first token counted as the server's.
+shares the cores with the server, and httpx cost about 2.5 ms of client time per streamed
+1-token request against aiohttp's 0.6 (a canned local server, ``bench_client_overhead.py``),
+which the time to first token counted as the server's.
 """
 
 from __future__ import annotations
