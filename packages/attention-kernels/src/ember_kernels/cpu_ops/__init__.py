@@ -38,44 +38,26 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm over the last dim with float32 statistics (see ``ember_kernels.rms_norm``)."""
-    library = _library()
-    result = torch.empty(x.shape, dtype=x.dtype)
-    library.rms_norm(_rows(x), weight.contiguous(), eps, result.view(-1, x.shape[-1]))
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    result = _library().rms_norm(_rows(x), weight.contiguous(), eps)
+    return _shaped(result, x.shape, out)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` as new tensors (inputs unchanged)."""
-    library = _library()
-    normed = torch.empty(x.shape, dtype=x.dtype)
-    total = torch.empty(x.shape, dtype=x.dtype)
-    size = x.shape[-1]
-    library.fused_add_rms_norm(
-        _rows(x),
-        _rows(residual),
-        weight.contiguous(),
-        eps,
-        normed.view(-1, size),
-        total.view(-1, size),
+    normed, total = _library().fused_add_rms_norm(
+        _rows(x), _rows(residual), weight.contiguous(), eps
     )
+    if x.dim() != 2:
+        return normed.view(x.shape), total.view(x.shape)
     return normed, total
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2*d]``."""
-    library = _library()
-    d = x.shape[-1] // 2
-    result = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library.silu_and_mul(_rows(x), result.view(-1, d))
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    result = _library().silu_and_mul(_rows(x))
+    return _shaped(result, (*x.shape[:-1], x.shape[-1] // 2), out)
 
 
 def rotary_embedding(
@@ -86,21 +68,20 @@ def rotary_embedding(
     is_neox_style: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of ``query``/``key [num_tokens, heads, head_size]`` (inputs unchanged)."""
-    library = _library()
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    key = key if key is None or key.stride(-1) == 1 else key.contiguous()
-    query_out = torch.empty(query.shape, dtype=query.dtype)
-    key_out = None if key is None else torch.empty(key.shape, dtype=key.dtype)
-    library.rotary_embedding(
+    return _library().rotary_embedding(
         positions.to(torch.int64).contiguous(),
-        query,
-        key,
+        query if query.stride(-1) == 1 else query.contiguous(),
+        key if key is None or key.stride(-1) == 1 else key.contiguous(),
         cos_sin_cache.to(query.dtype).contiguous(),
         is_neox_style,
-        query_out,
-        key_out,
     )
-    return query_out, key_out
+
+
+def _shaped(result: torch.Tensor, shape, out: torch.Tensor | None) -> torch.Tensor:
+    """A kernel's [rows, last dim] result in ``shape``, or copied into ``out``."""
+    if out is not None:
+        return out.copy_(result.view(shape))
+    return result if result.dim() == len(shape) else result.view(shape)
 
 
 def reshape_and_cache(

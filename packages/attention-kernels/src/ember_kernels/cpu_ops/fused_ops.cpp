@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -208,41 +210,49 @@ void dispatch(const at::Tensor& x, const char* name, const F& f) {
 
 }  // namespace
 
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rms_norm: rows must be contiguous");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: rows must be contiguous");
+  at::Tensor out = at::empty(x.sizes(), x.options());
   dispatch(x, "x", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, eps, out); });
+  return out;
 }
 
-void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                        const at::Tensor& weight, double eps, at::Tensor& out,
-                        at::Tensor& residual_out) {
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1,
               "fused_add_rms_norm: rows must be contiguous");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor residual_out = at::empty(x.sizes(), x.options());
   dispatch(x, "x", [&](auto t) {
     fused_add_rms_norm_impl<decltype(t)>(x, residual, weight, eps, out, residual_out);
   });
+  return {out, residual_out};
 }
 
-void silu_and_mul(const at::Tensor& x, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1,
-              "silu_and_mul: rows must be contiguous");
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "silu_and_mul: rows must be contiguous");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   dispatch(x, "x", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+  return out;
 }
 
-void rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
-                      const std::optional<at::Tensor>& key, const at::Tensor& cos_sin_cache,
-                      bool is_neox_style, at::Tensor& query_out,
-                      std::optional<at::Tensor> key_out) {
+std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
+    const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
+    const at::Tensor& cos_sin_cache, bool is_neox_style) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  query.stride(2) == 1 && query_out.is_contiguous() &&
-                  cos_sin_cache.is_contiguous() &&
+                  query.dim() == 3 && query.stride(2) == 1 && cos_sin_cache.is_contiguous() &&
                   cos_sin_cache.scalar_type() == query.scalar_type() &&
-                  (!key || (key->stride(2) == 1 && key_out && key_out->is_contiguous())),
+                  (!key || (key->dim() == 3 && key->stride(2) == 1)),
               "rotary_embedding: unexpected layout");
+  at::Tensor query_out = at::empty(query.sizes(), query.options());
+  std::optional<at::Tensor> key_out;
+  if (key) key_out = at::empty(key->sizes(), key->options());
   dispatch(query, "query", [&](auto t) {
     rotary_impl<decltype(t)>(positions, query, key, cos_sin_cache, is_neox_style, query_out,
                              key_out);
   });
+  return {query_out, key_out};
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,

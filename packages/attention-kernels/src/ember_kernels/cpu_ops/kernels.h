@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 void paged_attention(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -12,18 +13,17 @@ void paged_attention(
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
     at::Tensor& out);
 
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+// The element-wise kernels allocate and return their outputs (contiguous).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
-void fused_add_rms_norm(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
-    at::Tensor& out, at::Tensor& residual_out);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 
-void silu_and_mul(const at::Tensor& x, at::Tensor& out);
+at::Tensor silu_and_mul(const at::Tensor& x);
 
-void rotary_embedding(
-    const at::Tensor& positions, const at::Tensor& query,
-    const std::optional<at::Tensor>& key, const at::Tensor& cos_sin_cache,
-    bool is_neox_style, at::Tensor& query_out, std::optional<at::Tensor> key_out);
+std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
+    const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
+    const at::Tensor& cos_sin_cache, bool is_neox_style);
 
 void reshape_and_cache(
     const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
