@@ -12,6 +12,7 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.core_client import EngineDeadError
 from ember_server.openai.errors import OpenAIError, from_value_error
 from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
+from ember_server.openai.streams import StartedStream
 from ember_server.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class OpenAIServing:
         priority: int,
         stream: bool,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one prompt; the engine checks it now, so bad input is a 400 before any output."""
+        """Submit one prompt; the engine checks it now, so bad input is a 400 before any output,
+        and it is sent at once (see ``StartedStream``)."""
         try:
             outputs = self.engine.generate(
                 prompt_token_ids, params, request_id, priority=priority, stream=stream
@@ -129,7 +131,7 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         except EngineDeadError as exc:  # it died (or the server began to stop) since the check
             raise OpenAIError(f"The engine is not running: {exc}", 503) from exc
-        return self._abort_unless_finished(outputs, request_id)
+        return StartedStream(self._abort_unless_finished(outputs, request_id))
 
     async def _abort_unless_finished(
         self, outputs: AsyncIterator[RequestOutput], request_id: str

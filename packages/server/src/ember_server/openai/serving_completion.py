@@ -43,12 +43,18 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         prompts = [await self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
-        streams = [
-            self.generate(
-                p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
-            )
-            for i, p in enumerate(prompts)
-        ]
+        streams = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(
+                    self.generate(
+                        p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
+                    )
+                )
+        except Exception:  # a later prompt refused: the ones already sent are withdrawn
+            for stream in streams:
+                await stream.aclose()
+            raise
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, prompts, streams), media_type=MEDIA_TYPE

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
@@ -15,6 +15,55 @@ _DONE = object()
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its response was complete."""
+
+
+class StartedStream(Generic[T]):
+    """An async generator whose first item is requested at once, in a task of its own.
+
+    For an engine stream that sends its request when first iterated, the request reaches the
+    engine core while the route is still building its response: sending the response headers
+    first woke the HTTP client, which then shared the 2 cores with the engine's step, and the
+    first token of a cached 1,500-token prompt came about 1 ms later (5.7 ms against 4.6).
+    Later items are awaited directly by the iterating task. ``aclose`` closes the generator; one
+    dropped unclosed is closed by asyncio's finalizer of started async generators, as any.
+    """
+
+    def __init__(self, generator: AsyncGenerator[T, None]) -> None:
+        self._generator = generator
+        self._first: asyncio.Task | None = asyncio.ensure_future(self._first_item())
+        self._first.add_done_callback(_retrieve_exception)
+
+    async def _first_item(self) -> T | object:
+        try:
+            return await self._generator.__anext__()
+        except StopAsyncIteration:  # a coroutine may not raise it
+            return _DONE
+
+    def __aiter__(self) -> StartedStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        first, self._first = self._first, None
+        if first is None:
+            return await self._generator.__anext__()
+        item = await first  # cancelling the caller cancels the task, and the generator with it
+        if item is _DONE:
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        first, self._first = self._first, None
+        if first is not None:
+            first.cancel()
+            await asyncio.wait({first})
+        await self._generator.aclose()
+
+
+def _retrieve_exception(task: asyncio.Task) -> None:
+    """Mark a first item's failure as seen: a stream closed (or dropped) unread is not an error
+    to log; a reader gets the exception from the task."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
