@@ -31,6 +31,7 @@ from ember_server.engine_args import EngineArgs
 from ember_server.metrics import CONTENT_TYPE
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import error_response, install_error_handlers
+from ember_server.openai.json_route import MsgspecJSONRoute
 from ember_server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,6 +84,7 @@ def build_app(
     if max_body_size is None:
         max_body_size = default_body_limit(engine.model_config.max_model_len)
     app = FastAPI(title="Ember OpenAI-compatible server", version=ember_server.__version__)
+    app.router.route_class = MsgspecJSONRoute
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_size)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine)
