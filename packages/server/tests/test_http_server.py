@@ -345,6 +345,7 @@ def test_api_key(server):
     assert httpx.get(url, headers=AUTH).status_code == 200
     for open_path in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{server.base_url}{open_path}").status_code == 200
+    assert httpx.options(url).status_code != 401  # a CORS preflight carries no credentials
     bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,8 +27,9 @@ import ember_server
 from ember_server.core_client import EngineDeadError
 from ember_server.engine_args import EngineArgs
 from ember_server.metrics import CONTENT_TYPE
+from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
-from ember_server.openai.errors import error_response, install_error_handlers
+from ember_server.openai.errors import install_error_handlers
 from ember_server.openai.json_route import MsgspecJSONRoute
 from ember_server.openai.protocol import (
     ChatCompletionRequest,
@@ -56,7 +55,6 @@ from ember_server.openai.serving_pooling import OpenAIServingPooling
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 DEFAULT_SHUTDOWN_TIMEOUT = 25.0  # below Kubernetes' default 30 s between SIGTERM and SIGKILL
 # Bytes of body per token of context allowed by default: a prompt of max_model_len tokens as
 # JSON (token ids, or text with every character \u-escaped) needs well under this.
@@ -93,15 +91,7 @@ def build_app(
     pooling = OpenAIServingPooling(engine)
 
     if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def _check_api_key(request: Request, call_next: Callable[..., Awaitable[Response]]):
-            if request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return error_response("Invalid or missing API key.", 401)
-            return await call_next(request)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
