@@ -174,7 +174,7 @@ async def wait_ready(
                 async with session.get(f"{base_url}/v1/models") as response:
                     if response.status == 200:
                         return time.perf_counter() - started
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, asyncio.TimeoutError):  # not listening, or not serving
                 pass
             await asyncio.sleep(0.05)
     raise RuntimeError(f"server at {base_url} not ready after {timeout_s} s")

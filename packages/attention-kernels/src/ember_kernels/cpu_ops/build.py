@@ -83,18 +83,29 @@ def _import_library(name: str, path: pathlib.Path):
 
 
 def _build(name: str, directory: pathlib.Path):
+    """Compile under an ``flock`` of the build folder, which the kernel releases if this process
+    dies: torch's own lock is a plain file that a killed build leaves behind, and every later
+    build of the same key would wait on it forever."""
+    import fcntl
+
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
-    logger.info("ember_kernels: compiling the CPU kernels into %s (once per CPU)", directory)
-    return load(
-        name=name,
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    library = directory / f"{name}.so"
+    with open(directory / "build.lock", "w") as build_lock:
+        fcntl.flock(build_lock, fcntl.LOCK_EX)
+        if library.exists():  # another process built it while this one waited
+            return _import_library(name, library)
+        (directory / "lock").unlink(missing_ok=True)  # torch's, stale: no other build holds us
+        logger.info("ember_kernels: compiling the CPU kernels into %s (once per CPU)", directory)
+        return load(
+            name=name,
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def load_library():
