@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from ember_kernels import cpu_ops
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_loader import load_model
@@ -103,3 +104,58 @@ def test_half_precision_close_to_transformers(tiny_model, dtype):
     meta = _metadata([len(prompt)], [len(prompt)], blocks_per_seq=8)
     logits = model.compute_logits(model(prompt, torch.arange(len(prompt)), meta)).float()
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
+
+
+CPU_STACK_MODELS = [
+    ("llama", {}),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),  # qkv bias
+    ("qwen3", {}),  # q/k norm
+    ("mistral", dict(sliding_window=5)),
+    (
+        "llama",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            mlp_bias=True,
+            attention_bias=True,
+        ),
+    ),
+]
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("arch", "overrides"), CPU_STACK_MODELS)
+def test_the_compiled_cpu_stack_equals_the_per_operation_path(tiny_model, arch, overrides, dtype):
+    """Bit for bit, over a mixed step (prefills, a chunk after cached tokens, a decode) and then a
+    decode of each sequence, each path on KV caches of its own; the stack did run, on the
+    caches bound last."""
+    loaded = load_model(tiny_model(arch, **overrides), dtype=dtype)
+    c, model = loaded.config, loaded.model
+    spec = KVCacheSpec(c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
+    gen = torch.Generator().manual_seed(1)
+    # Sequence 2 had 9 tokens cached by an earlier step of each run (written below).
+    steps = [
+        ([9], [9], [2], torch.randint(3, 2048, (9,), generator=gen)),
+        ([12, 3, 1], [12, 3, 10], [0, 1, 2], torch.randint(3, 2048, (16,), generator=gen)),
+        ([1, 1, 1], [13, 4, 11], [0, 1, 2], torch.randint(3, 2048, (3,), generator=gen)),
+    ]
+    outputs = {}
+    for use_stack in (False, True):
+        bind_kv_cache(model, allocate_kv_cache(spec, 64, torch.device("cpu")))
+        model.model.use_cpu_stack = use_stack
+        outputs[use_stack] = []
+        for q_lens, seq_lens, seqs, ids in steps:
+            meta = _metadata(q_lens, seq_lens, blocks_per_seq=8, seqs=seqs)
+            positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+            outputs[use_stack].append(model(ids, positions, meta))
+    assert model.model._cpu_stack is not None
+    caches = model.model.layers[0].self_attn.attn.kv_cache
+    assert model.model._cpu_stack_caches is caches
+    for per_op, stacked in zip(outputs[False], outputs[True]):
+        assert torch.equal(per_op, stacked)

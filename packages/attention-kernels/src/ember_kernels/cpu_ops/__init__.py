@@ -77,6 +77,28 @@ def rotary_embedding(
     )
 
 
+def decoder_stack(
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    rms_norm_eps: float,
+    scale: float,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool,
+):
+    """An empty stack of pre-norm decoder layers run in one call (Llama, Mistral, Qwen2, Qwen3
+    shapes; see ``kernels.h``). Give it each layer with ``add_layer(input_norm, qkv, qkv_bias,
+    q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, key_cache,
+    value_cache, sliding_window)`` (weights as ``[out, in]`` tensors, held, not copied; absent
+    biases and norms as None; window 0 for none), then call ``forward(hidden_states, residual,
+    positions, slot_mapping, block_table, query_start_loc, seq_lens)`` for ``(hidden_states,
+    residual)`` after every layer, with the same numbers as the per-operation functions here.
+    Runs without the GIL."""
+    return _library().DecoderStack(
+        num_heads, num_kv_heads, head_size, rms_norm_eps, scale, cos_sin_cache, is_neox_style
+    )
+
+
 def _shaped(result: torch.Tensor, shape, out: torch.Tensor | None) -> torch.Tensor:
     """A kernel's [rows, last dim] result in ``shape``, or copied into ``out``."""
     if out is not None:

@@ -25,7 +25,10 @@ import torch
 logger = logging.getLogger("ember_kernels")
 
 _HERE = pathlib.Path(__file__).parent
-SOURCES = [_HERE / name for name in ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
+SOURCES = [
+    _HERE / name
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
+]
 HEADERS = [_HERE / name for name in ("kernels.h", "vec.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()

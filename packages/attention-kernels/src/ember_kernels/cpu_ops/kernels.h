@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 void paged_attention(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -28,3 +29,42 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
 void reshape_and_cache(
     const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// A stack of pre-norm decoder layers (the Llama family: fused q/k/v and gate/up projections,
+// optional q/k/v and MLP biases, optional per-head q/k RMSNorm, rotary embedding from a cos/sin
+// cache, paged attention with an optional sliding window per layer, SwiGLU) run in one call, with
+// the same kernels and matmuls as the per-operation path: a small step is made of some twenty
+// short operations per layer, and each one called from Python cost more than its own work.
+// Weights are held, never copied; linear weights are [out, in] tensors as torch's linear takes.
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double rms_norm_eps,
+               double scale, at::Tensor cos_sin_cache, bool is_neox_style);
+
+  void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 at::Tensor o_proj, std::optional<at::Tensor> o_bias, at::Tensor post_norm,
+                 at::Tensor gate_up, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 std::optional<at::Tensor> down_bias, at::Tensor key_cache,
+                 at::Tensor value_cache, int64_t sliding_window);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // (hidden_states, residual) after every layer; ``residual`` None before the first layer.
+  std::tuple<at::Tensor, at::Tensor> forward(
+      at::Tensor hidden_states, std::optional<at::Tensor> residual, const at::Tensor& positions,
+      const at::Tensor& slot_mapping, const at::Tensor& block_table,
+      const at::Tensor& query_start_loc, const at::Tensor& seq_lens) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, o_bias, post_norm, gate_up,
+        gate_up_bias, down, down_bias, key_cache, value_cache;
+    int64_t sliding_window;
+  };
+  int64_t num_heads_, num_kv_heads_, head_size_;
+  double eps_, scale_;
+  at::Tensor cos_sin_cache_;
+  bool is_neox_style_;
+  std::vector<Layer> layers_;
+};

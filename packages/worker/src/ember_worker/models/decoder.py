@@ -24,6 +24,7 @@ from ember_worker.layers.linear import (
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ember_worker.models.config import DecoderConfig
+from ember_worker.models.cpu_stack import build_cpu_stack
 
 
 class RMSNorm(nn.Module):
@@ -166,7 +167,13 @@ class DecoderModel(nn.Module):
     Under pipeline parallelism a stage builds only its own layers; the embedding lives on the
     first stage and the final norm on the last. A stage other than the first takes the previous
     stage's ``(hidden_states, residual)``; a stage other than the last returns them.
+
+    On the CPU the layers run as one compiled call (``cpu_stack``), built at the first forward
+    after the KV caches are bound, unless ``use_cpu_stack`` is False or a KV connector's per-layer
+    loads and saves must run between the layers.
     """
+
+    use_cpu_stack = True
 
     def __init__(
         self,
@@ -189,6 +196,9 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
+        self.rms_norm_eps = config.rms_norm_eps
+        self._cpu_stack = None
+        self._cpu_stack_caches = None  # the first layer's caches when the stack was built
 
     def forward(
         self,
@@ -201,12 +211,36 @@ class DecoderModel(nn.Module):
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             hidden_states, residual = intermediate
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, metadata)
+        stack = self._stack_for(metadata)
+        if stack is not None:
+            hidden_states, residual = stack.forward(
+                hidden_states,
+                residual,
+                positions,
+                metadata.slot_mapping,
+                metadata.block_table,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+            )
+        else:
+            for layer in self.layers[self.start_layer : self.end_layer]:
+                hidden_states, residual = layer(positions, hidden_states, residual, metadata)
         if self.norm is None:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _stack_for(self, metadata: AttentionMetadata):
+        """The compiled CPU stack of this stage's layers, built (again) when the caches it was
+        bound to changed; None where the per-operation path runs."""
+        if not self.use_cpu_stack or metadata.kv_connector is not None:
+            return None
+        layers = list(self.layers[self.start_layer : self.end_layer])
+        caches = layers[0].self_attn.attn.kv_cache
+        if caches is not self._cpu_stack_caches:
+            self._cpu_stack = build_cpu_stack(layers, self.rms_norm_eps)
+            self._cpu_stack_caches = caches
+        return self._cpu_stack
 
 
 # Checkpoint names of tensors that the decoder holds merged: (suffix, merged param, shard id).

@@ -1,0 +1,123 @@
+// DecoderStack (kernels.h): each layer does what the per-operation path does, in the same order
+// and with the same kernels and matmuls, so the two give the same numbers.
+
+#include <ATen/ATen.h>
+
+#include "kernels.h"
+
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace {
+
+at::Tensor held(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// y = x W^T (+ b), with the bias inside the matmul (column-parallel projections).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+}
+
+// y = x W^T, then + b (row-parallel projections add their bias after the partial sums).
+at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias) {
+  at::Tensor y = at::linear(x, weight);
+  return bias.defined() ? y + bias : y;
+}
+
+// Per-head RMSNorm of [tokens, heads, head_size] (a strided view of the q/k/v projection).
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x.reshape({-1, x.size(2)}), weight, eps).view(x.sizes());
+}
+
+}  // namespace
+
+DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                           double rms_norm_eps, double scale, at::Tensor cos_sin_cache,
+                           bool is_neox_style)
+    : num_heads_(num_heads),
+      num_kv_heads_(num_kv_heads),
+      head_size_(head_size),
+      eps_(rms_norm_eps),
+      scale_(scale),
+      cos_sin_cache_(cos_sin_cache.contiguous()),
+      is_neox_style_(is_neox_style) {
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+                    "num_heads: expected a positive multiple of num_kv_heads, got ", num_heads,
+                    " and ", num_kv_heads);
+}
+
+void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
+                             std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
+                             std::optional<at::Tensor> k_norm, at::Tensor o_proj,
+                             std::optional<at::Tensor> o_bias, at::Tensor post_norm,
+                             at::Tensor gate_up, std::optional<at::Tensor> gate_up_bias,
+                             at::Tensor down, std::optional<at::Tensor> down_bias,
+                             at::Tensor key_cache, at::Tensor value_cache,
+                             int64_t sliding_window) {
+  const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(0) == q_size + 2 * kv_size,
+                    "qkv: expected [", q_size + 2 * kv_size, ", hidden], got ", qkv.sizes());
+  TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
+                    "q_norm/k_norm: give both or neither");
+  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                        key_cache.dim() == 4 && key_cache.size(2) == num_kv_heads_ &&
+                        key_cache.size(3) == head_size_,
+                    "key_cache/value_cache: expected contiguous [blocks, block_size, ",
+                    num_kv_heads_, ", ", head_size_, "] tensors");
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0 &&
+                        down.size(1) == gate_up.size(0) / 2,
+                    "gate_up/down: expected [2 * intermediate, hidden] and [hidden, intermediate]");
+  layers_.push_back(Layer{input_norm.contiguous(), qkv, held(qkv_bias),
+                          q_norm ? q_norm->contiguous() : at::Tensor(),
+                          k_norm ? k_norm->contiguous() : at::Tensor(), o_proj, held(o_bias),
+                          post_norm.contiguous(), gate_up, held(gate_up_bias), down,
+                          held(down_bias), key_cache, value_cache, sliding_window});
+}
+
+std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
+    at::Tensor hidden, std::optional<at::Tensor> residual_in, const at::Tensor& positions,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens) const {
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden_states: expected [num_tokens, hidden]");
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+  const at::Tensor positions64 = positions.to(at::kLong).contiguous();
+  const at::Tensor slots64 = slot_mapping.to(at::kLong).contiguous();
+  const at::Tensor table32 = block_table.to(at::kInt);
+  const at::Tensor starts32 = query_start_loc.to(at::kInt).contiguous();
+  const at::Tensor lens32 = seq_lens.to(at::kInt).contiguous();
+  const at::Tensor cos_sin = cos_sin_cache_.to(hidden.scalar_type());
+  at::Tensor residual = held(residual_in);
+  for (const Layer& layer : layers_) {
+    if (!residual.defined()) {
+      residual = hidden;
+      hidden = rms_norm(hidden, layer.input_norm, eps_);
+    } else {
+      std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
+    }
+    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
+    const at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_size_});
+    if (layer.q_norm.defined()) {
+      q = head_norm(q, layer.q_norm, eps_);
+      k = head_norm(k, layer.k_norm, eps_);
+    }
+    std::optional<at::Tensor> rotated_k;
+    std::tie(q, rotated_k) = rotary_embedding(positions64, q, k, cos_sin, is_neox_style_);
+    k = *rotated_k;
+    at::Tensor key_cache = layer.key_cache, value_cache = layer.value_cache;
+    reshape_and_cache(k, v, key_cache, value_cache, slots64);
+    at::Tensor attended = at::empty_like(q);
+    paged_attention(q, key_cache, value_cache, table32, starts32, lens32, scale_,
+                    layer.sliding_window, 0.0, attended);
+    hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias);
+    std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.post_norm, eps_);
+    hidden = linear_then_bias(
+        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias)), layer.down,
+        layer.down_bias);
+  }
+  return {hidden, residual};
+}

@@ -1,0 +1,193 @@
+"""The compiled decoder stack against the same layers composed of the per-operation functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ek_inputs import fresh_generator
+
+from ember_kernels import RotaryEmbedding, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, INTERMEDIATE, BLOCK = 96, 6, 2, 16, 160, 4
+EPS = 1e-5
+
+
+def random_layer(gen, dtype, bias: bool, qk_norm: bool, window: int) -> dict:
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.2).to(dtype)
+
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_SIZE
+    return dict(
+        input_norm=w(HIDDEN) + 1,
+        qkv=w(HIDDEN, qkv).t(),  # [out, in] stored input-major, as the worker keeps them
+        qkv_bias=w(qkv) if bias else None,
+        q_norm=w(HEAD_SIZE) + 1 if qk_norm else None,
+        k_norm=w(HEAD_SIZE) + 1 if qk_norm else None,
+        o_proj=w(HIDDEN, HEADS * HEAD_SIZE),
+        o_bias=w(HIDDEN) if bias else None,
+        post_norm=w(HIDDEN) + 1,
+        gate_up=w(2 * INTERMEDIATE, HIDDEN),
+        gate_up_bias=w(2 * INTERMEDIATE) if bias else None,
+        down=w(HIDDEN, INTERMEDIATE),
+        down_bias=w(HIDDEN) if bias else None,
+        window=window,
+    )
+
+
+def per_operation(x, residual, layer, caches, rotary, meta):
+    """One layer from ``cpu_ops``' single functions and torch's linear, as a model would."""
+    tokens = x.shape[0]
+    if residual is None:
+        residual, x = x, cpu_ops.rms_norm(x, layer["input_norm"], EPS)
+    else:
+        x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["input_norm"], EPS)
+    qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+    q, k, v = qkv.split([HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE], dim=-1)
+    q, k = q.reshape(tokens, HEADS, HEAD_SIZE), k.reshape(tokens, KV_HEADS, HEAD_SIZE)
+    v = v.reshape(tokens, KV_HEADS, HEAD_SIZE)
+    if layer["q_norm"] is not None:
+        q = cpu_ops.rms_norm(q, layer["q_norm"], EPS)
+        k = cpu_ops.rms_norm(k, layer["k_norm"], EPS)
+    q, k = rotary(meta["positions"], q, k)
+    cpu_ops.reshape_and_cache(k, v, *caches, meta["slot_mapping"])
+    out = cpu_ops.paged_attention(
+        q,
+        *caches,
+        meta["block_table"],
+        meta["query_start_loc"],
+        meta["seq_lens"],
+        scale=HEAD_SIZE**-0.5,
+        sliding_window=layer["window"] or None,
+    )
+    x = F.linear(out.view(tokens, -1), layer["o_proj"])
+    x = x if layer["o_bias"] is None else x + layer["o_bias"]
+    x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["post_norm"], EPS)
+    x = F.linear(
+        cpu_ops.silu_and_mul(F.linear(x, layer["gate_up"], layer["gate_up_bias"])), layer["down"]
+    )
+    return (x if layer["down_bias"] is None else x + layer["down_bias"]), residual
+
+
+def step(q_lens, seq_lens, tables, gen):
+    """Metadata of one step: sequence i's new tokens are its last q_lens[i] of seq_lens[i]."""
+    slots, positions = [], []
+    for table, q, s in zip(tables, q_lens, seq_lens):
+        pos = torch.arange(s - q, s)
+        positions.append(pos)
+        slots.append(table[pos // BLOCK].long() * BLOCK + pos % BLOCK)
+    return dict(
+        positions=torch.cat(positions),
+        slot_mapping=torch.cat(slots),
+        block_table=torch.stack(tables),
+        query_start_loc=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("bias", "qk_norm", "windows"),
+    [(False, False, [0, 0]), (True, False, [0, 5]), (False, True, [7, 7])],
+)
+def test_stack_equals_the_per_operation_layers(dtype, bias, qk_norm, windows):
+    gen, seed = fresh_generator()
+    layers = [random_layer(gen, dtype, bias, qk_norm, w) for w in windows]
+    rotary = RotaryEmbedding(HEAD_SIZE, HEAD_SIZE, 64, 10000.0, True, None, dtype)
+    num_blocks = 24
+    runs = {}
+    for name in ("per_operation", "stack"):
+        caches = [
+            tuple(torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=dtype) for _ in "kv")
+            for _ in layers
+        ]
+        stack = cpu_ops.decoder_stack(
+            HEADS, KV_HEADS, HEAD_SIZE, EPS, HEAD_SIZE**-0.5, rotary.cos_sin_cache, True
+        )
+        for layer, (key_cache, value_cache) in zip(layers, caches):
+            stack.add_layer(
+                *(
+                    layer[k]
+                    for k in (
+                        "input_norm",
+                        "qkv",
+                        "qkv_bias",
+                        "q_norm",
+                        "k_norm",
+                        "o_proj",
+                        "o_bias",
+                        "post_norm",
+                        "gate_up",
+                        "gate_up_bias",
+                        "down",
+                        "down_bias",
+                    )
+                ),
+                key_cache,
+                value_cache,
+                layer["window"],
+            )
+        step_gen = torch.Generator().manual_seed(seed)
+        order = torch.randperm(num_blocks, generator=step_gen).to(torch.int32)
+        tables = [order[:6], order[6:12], order[12:18]]
+        outputs = []
+        # Prefills (one chunked after cached tokens), then a decode of every sequence.
+        for q_lens, seq_lens in (
+            ([9, 3], [9, 3]),
+            ([11, 2, 1], [11, 5, 10]),
+            ([1] * 3, [12, 6, 11]),
+        ):
+            meta = step(q_lens, seq_lens, tables[: len(q_lens)], step_gen)
+            x = torch.randn(sum(q_lens), HIDDEN, generator=step_gen).to(dtype)
+            if name == "stack":
+                out = stack.forward(
+                    x,
+                    None,
+                    meta["positions"],
+                    meta["slot_mapping"],
+                    meta["block_table"],
+                    meta["query_start_loc"],
+                    meta["seq_lens"],
+                )
+            else:
+                out, residual = x, None
+                for layer, layer_caches in zip(layers, caches):
+                    out, residual = per_operation(out, residual, layer, layer_caches, rotary, meta)
+                out = (out, residual)
+            outputs.append(out)
+        runs[name] = (outputs, caches)
+    for (a, ra), (b, rb) in zip(*(runs[n][0] for n in runs)):
+        assert torch.equal(a, b) and torch.equal(ra, rb), f"seed {seed}"
+    for per_op, stacked in zip(*(runs[n][1] for n in runs)):
+        assert all(torch.equal(x, y) for x, y in zip(per_op, stacked)), f"seed {seed}: caches"
+
+
+def test_bad_shapes_raise_value_error_naming_the_field():
+    stack = cpu_ops.decoder_stack(HEADS, KV_HEADS, HEAD_SIZE, EPS, 0.25, torch.zeros(64, 16), True)
+    layer = random_layer(torch.Generator().manual_seed(0), torch.float32, False, False, 0)
+    caches = [torch.zeros(4, BLOCK, KV_HEADS, HEAD_SIZE) for _ in "kv"]
+    args = [
+        layer[k]
+        for k in (
+            "input_norm",
+            "qkv",
+            "qkv_bias",
+            "q_norm",
+            "k_norm",
+            "o_proj",
+            "o_bias",
+            "post_norm",
+            "gate_up",
+            "gate_up_bias",
+            "down",
+            "down_bias",
+        )
+    ]
+    with pytest.raises(ValueError, match="qkv"):
+        stack.add_layer(*args[:1], args[1][:-1], *args[2:], *caches, 0)
+    with pytest.raises(ValueError, match="key_cache"):
+        stack.add_layer(*args, torch.zeros(4, BLOCK, 3, HEAD_SIZE), caches[1], 0)
+    with pytest.raises(ValueError, match="num_heads"):
+        cpu_ops.decoder_stack(5, 2, HEAD_SIZE, EPS, 0.25, torch.zeros(64, 16), True)

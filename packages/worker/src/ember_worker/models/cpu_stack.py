@@ -1,0 +1,65 @@
+"""The decoder's layers as one compiled call on the CPU (``ember_kernels.cpu_ops.decoder_stack``).
+
+A step of a few tokens is made of some twenty small operations per layer, and on the CPU each one
+called from Python (module call, dispatch, argument checks) cost more than its own work: the
+forward of one token over a 1,500-token prefix took 3.2 ms, of which 1.6 ms in the matmuls and
+attention. The compiled stack runs the same kernels and matmuls in the same order from C++, so
+its numbers equal the per-operation path's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ember_kernels import cpu_ops
+
+if TYPE_CHECKING:
+    from ember_worker.models.decoder import DecoderLayer
+
+
+def build_cpu_stack(layers: list[DecoderLayer], eps: float):
+    """The compiled stack of ``layers`` (bound to their KV caches), or None where the
+    per-operation path must run: not CPU tensors, a dtype or a build the kernels lack, tensor
+    parallelism (a row-parallel projection all-reduces between two operations), or no KV cache
+    bound yet."""
+    first = layers[0].self_attn
+    weight = first.qkv_proj.weight
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in cpu_ops.DTYPES
+        or first.o_proj.tp.size > 1
+        or any(layer.self_attn.attn.kv_cache is None for layer in layers)
+        or not cpu_ops.available()
+    ):
+        return None
+    rotary = first.rotary_emb
+    stack = cpu_ops.decoder_stack(
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+        eps,
+        first.attn.scale,
+        rotary.cos_sin_cache,
+        rotary.is_neox_style,
+    )
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        key_cache, value_cache = attn.attn.kv_cache
+        stack.add_layer(
+            layer.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            attn.qkv_proj.bias,
+            None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight,
+            attn.o_proj.weight,
+            attn.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias,
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+            key_cache,
+            value_cache,
+            attn.attn.sliding_window or 0,
+        )
+    return stack
