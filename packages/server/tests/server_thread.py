@@ -15,6 +15,7 @@ import uvicorn
 
 from ember_server.async_llm import AsyncLLM
 from ember_server.engine_args import EngineArgs
+from ember_server.event_loop import run_event_loop
 from ember_server.openai.api_server import bind_socket, build_app
 
 
@@ -43,7 +44,7 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._main())
+            run_event_loop(self._main())  # as `ember serve` runs
         except BaseException as exc:  # reported to the test thread by __enter__
             self._error = exc
 

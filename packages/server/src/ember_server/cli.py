@@ -22,6 +22,7 @@ import traceback
 
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs, parse_bytes
+from ember_server.event_loop import run_event_loop
 from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember")
@@ -96,7 +97,7 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from ember_server.openai.api_server import run_server
 
-    return asyncio.run(
+    return run_event_loop(
         run_server(
             EngineArgs.from_cli_args(args),
             host=args.host,
@@ -153,7 +154,7 @@ def _proxy(args: argparse.Namespace) -> int:
     for name in ("prefill", "decode"):
         if not getattr(args, name).startswith(("http://", "https://")):
             raise SystemExit(f"ember proxy: error: --{name} must be an http:// URL")
-    asyncio.run(run_proxy(args.prefill, args.decode, args.host, args.port))
+    run_event_loop(run_proxy(args.prefill, args.decode, args.host, args.port))
     return 0
 
 
