@@ -65,6 +65,27 @@ def test_chain_depends_on_every_earlier_block():
     assert hasher.hash_prefix([1, 2, 3, 4, 5]) == first  # the partial block is not hashed
 
 
+def test_chain_equals_hashing_one_block_at_a_time():
+    """From the root or from a block in the middle, with extras; and lazily."""
+    hasher = BlockHasher(4, seed=b"s")
+    extras = BlockHashExtras(lora_name="sql", mm_items=(MultiModalItem("img", 5, 6),))
+    tokens = [7, 70000, *range(20, 42)]  # 6 full blocks
+    one_by_one, parent = [], hasher.root_hash
+    for index in range(6):
+        keys = extras.block_extra_keys(index, 4)
+        parent = hasher.hash_block(parent, tokens[4 * index : 4 * index + 4], keys)
+        one_by_one.append(parent)
+    assert list(hasher.chain(tokens, extras=extras)) == one_by_one
+    middle = hasher.chain(tokens, 3, first_block=2, parent_hash=one_by_one[1], extras=extras)
+    assert list(middle) == one_by_one[2:5]
+    assert list(hasher.chain(tokens, 0)) == []
+    lazy = hasher.chain(tokens + [-1] * 4)  # a bad id anywhere is refused before any hash
+    with pytest.raises(ValueError, match="token_ids"):
+        next(lazy)
+    with pytest.raises(ValueError, match="full blocks"):
+        next(hasher.chain(tokens, 7))
+
+
 def test_extra_keys_per_block():
     extras = BlockHashExtras(
         lora_name="sql",
@@ -114,6 +135,8 @@ def test_missing_xxhash_names_the_extra(monkeypatch):
 def test_bad_token_ids(bad):
     with pytest.raises(ValueError, match="token_ids"):
         BlockHasher(4).hash_block(b"", bad)
+    with pytest.raises(ValueError, match="token_ids"):
+        BlockHasher(4).hash_prefix([5, 6, 7, 8, *bad])
 
 
 def test_bad_extras():

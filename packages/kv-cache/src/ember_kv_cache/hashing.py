@@ -8,10 +8,12 @@ is never used.
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 HASH_ALGOS = ("sha256", "xxhash64", "xxhash128")
@@ -19,6 +21,8 @@ HASH_ALGOS = ("sha256", "xxhash64", "xxhash128")
 # An extra key is ("lora", name), ("mm", identifier, offset) or ("salt", salt).
 ExtraKey = tuple
 _U32 = struct.Struct("<I")
+# The array typecode of a 4-byte unsigned int ("I" on every platform CPython supports today).
+_U32_CODE = next(code for code in "ILH" if array.array(code).itemsize == 4)
 _I64 = struct.Struct("<q")
 
 
@@ -143,7 +147,6 @@ class BlockHasher:
         self.block_size = block_size
         self.algo = algo
         self._digest = get_hash_function(algo)
-        self._tokens_struct = struct.Struct(f"<{block_size}I")
         self._token_count_prefix = _U32.pack(block_size)
         self.root_hash: bytes = self._digest(b"ember-kv-cache/root" + _U32.pack(len(seed)) + seed)
 
@@ -158,12 +161,40 @@ class BlockHasher:
             raise ValueError(
                 f"a block holds exactly {self.block_size} token ids, got {len(token_ids)}"
             )
-        try:
-            tokens = self._tokens_struct.pack(*token_ids)
-        except struct.error as exc:
-            raise ValueError(f"token_ids must be ints in [0, 2**32): {exc}") from None
         extra = encode_extra_keys(tuple(extra_keys)) if extra_keys else b""
-        return self._digest(parent_hash + self._token_count_prefix + tokens + extra)
+        return self._digest(parent_hash + self._token_count_prefix + _pack(token_ids) + extra)
+
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        num_blocks: int | None = None,
+        *,
+        first_block: int = 0,
+        parent_hash: bytes | None = None,
+        extras: BlockHashExtras | None = None,
+    ) -> Iterator[bytes]:
+        """Hashes of the full blocks ``first_block``, ``first_block + 1``, ... of ``token_ids``
+        (``num_blocks`` of them, default every full block), chained from ``parent_hash`` (block
+        ``first_block - 1``'s hash; the root hash by default); the same as ``hash_block`` one
+        block at a time, with the token ids packed once for all the blocks. Lazy: a lookup that
+        stops at its first miss hashes no further."""
+        size = self.block_size
+        if num_blocks is None:
+            num_blocks = len(token_ids) // size - first_block
+        if num_blocks <= 0:
+            return
+        data = _pack(token_ids[first_block * size : (first_block + num_blocks) * size])
+        if len(data) != 4 * size * num_blocks:
+            raise ValueError(f"token_ids hold fewer than {first_block + num_blocks} full blocks")
+        parent = self.root_hash if parent_hash is None else parent_hash
+        digest, prefix, step = self._digest, self._token_count_prefix, 4 * size
+        for i in range(num_blocks):
+            extra = b""
+            if extras is not None:
+                keys = extras.block_extra_keys(first_block + i, size)
+                extra = encode_extra_keys(keys) if keys else b""
+            parent = digest(parent + prefix + data[i * step : (i + 1) * step] + extra)
+            yield parent
 
     def hash_prefix(
         self,
@@ -173,13 +204,15 @@ class BlockHasher:
     ) -> list[bytes]:
         """Hashes of the first ``num_blocks`` full blocks of ``token_ids`` (all full blocks by
         default), computed from scratch."""
-        size = self.block_size
-        if num_blocks is None:
-            num_blocks = len(token_ids) // size
-        hashes: list[bytes] = []
-        parent = self.root_hash
-        for index in range(num_blocks):
-            keys = extras.block_extra_keys(index, size) if extras is not None else ()
-            parent = self.hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
-            hashes.append(parent)
-        return hashes
+        return list(self.chain(token_ids, num_blocks, extras=extras))
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of ``token_ids``; ValueError for any id outside [0, 2**32)."""
+    try:
+        packed = array.array(_U32_CODE, token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token_ids must be ints in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()

@@ -117,13 +117,11 @@ class KVCacheManager:
             return ComputedBlocks([], 0)
         size = self.block_size
         cached = self.block_pool.cached_block_hash_to_block
-        hash_block = self.hasher.hash_block
         blocks: list[KVCacheBlock] = []
         hashes: list[bytes] = []
         parent = self.hasher.root_hash
-        for index in range(max(0, (len(token_ids) - 1) // size)):
-            keys = extras.block_extra_keys(index, size) if extras is not None else ()
-            block_hash = hash_block(parent, token_ids[index * size : (index + 1) * size], keys)
+        num_blocks = max(0, (len(token_ids) - 1) // size)
+        for block_hash in self.hasher.chain(token_ids, num_blocks, extras=extras):
             block = cached.get(block_hash)
             if block is None:
                 break
@@ -334,15 +332,22 @@ class KVCacheManager:
     ) -> list[tuple[bytes, Sequence[int], tuple]]:
         """(hash, token ids, extra keys) of each full block past the ``known_hashes``."""
         size = self.block_size
-        hash_block = self.hasher.hash_block
-        parent = known_hashes[-1] if known_hashes else self.hasher.root_hash
-        new_full_blocks = []
-        for index in range(len(known_hashes), num_full_blocks):
-            keys = extras.block_extra_keys(index, size) if extras is not None else ()
-            tokens = token_ids[index * size : (index + 1) * size]
-            parent = hash_block(parent, tokens, keys)
-            new_full_blocks.append((parent, tokens, keys))
-        return new_full_blocks
+        first = len(known_hashes)
+        hashes = self.hasher.chain(
+            token_ids,
+            num_full_blocks - first,
+            first_block=first,
+            parent_hash=known_hashes[-1] if known_hashes else None,
+            extras=extras,
+        )
+        return [
+            (
+                block_hash,
+                token_ids[index * size : (index + 1) * size],
+                extras.block_extra_keys(index, size) if extras is not None else (),
+            )
+            for index, block_hash in enumerate(hashes, first)
+        ]
 
     def _cache_full_blocks(
         self, state: _RequestBlocks, new_full_blocks: list[tuple[bytes, Sequence[int], tuple]]
