@@ -235,9 +235,9 @@ class DecoderModel(nn.Module):
         bound to changed; None where the per-operation path runs."""
         if not self.use_cpu_stack or metadata.kv_connector is not None:
             return None
-        layers = list(self.layers[self.start_layer : self.end_layer])
-        caches = layers[0].self_attn.attn.kv_cache
+        caches = self.layers[self.start_layer].self_attn.attn.kv_cache
         if caches is not self._cpu_stack_caches:
+            layers = list(self.layers)[self.start_layer : self.end_layer]
             self._cpu_stack = build_cpu_stack(layers, self.rms_norm_eps)
             self._cpu_stack_caches = caches
         return self._cpu_stack
