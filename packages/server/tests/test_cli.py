@@ -269,3 +269,15 @@ def test_debug_log_level_shows_the_traceback(how):
     assert done.returncode == 2
     assert "Traceback" in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("ember: error: model folder")
+
+
+def test_the_api_server_process_never_imports_torch():
+    """The API server tokenizes, streams and routes; torch is the engine core process's. Importing
+    it cost the API server 2-3 s of a 2-core machine's start-up, beside the engine's own import."""
+    code = (
+        "import sys, ember_server.cli, ember_server.openai.api_server, ember_server.async_llm; "
+        "ember_server.cli.make_parser().parse_args(['serve', '--speculative-config', "
+        '\'{"method": "ngram", "num_speculative_tokens": 2}\']); '
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
