@@ -85,7 +85,10 @@ class XGrammarCompiler:
     ``ember_scheduler.structured_outputs.GrammarCompiler``.
 
     ``tokenizer`` is the Hugging Face tokenizer folder (its tokenizer info is built once, in the
-    pool); ``vocab_size`` the model's (logit rows may be wider than the tokenizer's vocabulary).
+    pool, when the first spec is compiled, as vLLM does: built at start-up it took the engine's
+    cores and GIL while it loaded the model, for engines that may never see a constrained
+    request); ``vocab_size`` the model's (logit rows may be wider than the tokenizer's
+    vocabulary).
     Compiled grammars are cached by spec, ``cache_size`` of them, least recently used first out;
     a spec that fails keeps its error in the cache too.
     """
@@ -103,7 +106,8 @@ class XGrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ember-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
-        self._compiler = self._pool.submit(_make_compiler, str(tokenizer), vocab_size)
+        self._tokenizer = str(tokenizer)
+        self._compiler: Future | None = None
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.cache_key()
@@ -112,6 +116,8 @@ class XGrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
+            if self._compiler is None:
+                self._compiler = self._pool.submit(_make_compiler, self._tokenizer, self.vocab_size)
             future = self._pool.submit(self._compile, spec)
             self._cache[key] = future
             if len(self._cache) > self.cache_size:
