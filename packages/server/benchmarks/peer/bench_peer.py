@@ -17,7 +17,8 @@ hidden 512, 8 layers, GQA 8/2) it measures:
 - ready time: from launching the server to the first 200 from ``/v1/models``;
 - where a served token's CPU goes, at concurrency 64 on the fixed workload: CPU milliseconds per
   output token of the API server process and of the processes it started (the engine core);
-- each engine's served-to-offline efficiency: served concurrency 64 / offline, fixed workload.
+- each engine's served-to-offline efficiency: served concurrency 64 / offline, fixed workload;
+- the CPU steal during each engine's runs (a VM whose host gives its CPUs to others runs slower).
 
 and prints each figure for both engines with the Ember / vLLM ratio (time-to-first-token ratios
 and times are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
@@ -202,6 +203,14 @@ async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
     raise RuntimeError(f"{base_url}: the stream ended without a token")
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(steal, all) ticks of the whole machine so far (Linux /proc/stat): steal is time the
+    hypervisor gave this VM's CPUs to others, which slows every figure of a run."""
+    with open("/proc/stat") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    return ticks[7], sum(ticks)
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a live process so far, all its threads (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as stat:
@@ -322,8 +331,11 @@ def compare(vllm_python: str, models: list[str]) -> None:
         model = str(tiny_model_path("llama", **COMMON_CONFIG, **MODELS[name]))
         figures = {}
         for engine, python in (("ember", sys.executable), ("vllm", vllm_python)):
+            steal_before = _cpu_ticks()
             figures[engine] = {**run_offline(python, engine, model)}
             figures[engine].update(run_served(python, engine, model))
+            steal, total = (b - a for a, b in zip(steal_before, _cpu_ticks()))
+            figures[engine]["cpu_steal_pct"] = 100 * steal / max(total, 1)
             print(f"{name} {engine}: {json.dumps(figures[engine])}", flush=True)
         print(f"\nmodel {name} ({MODELS[name]}):")
         print(f"{'':44} {'Ember':>9} {'vLLM':>9} {'ratio':>7}")
@@ -331,6 +343,8 @@ def compare(vllm_python: str, models: list[str]) -> None:
             ember, vllm = figures["ember"][key], figures["vllm"][key]
             ratio = vllm / ember if lower_is_better else ember / vllm
             print(f"{label:44} {ember:9.1f} {vllm:9.1f} {ratio:6.2f}x")
+        steal = {e: f["cpu_steal_pct"] for e, f in figures.items()}
+        print(f"CPU steal during the runs: Ember {steal['ember']:.0f}%, vLLM {steal['vllm']:.0f}%")
         cached_share = figures["ember"]["ttft_cached_ms"] / figures["ember"]["ttft_cold_ms"]
         print(f"Ember cached / cold TTFT: {cached_share:.0%}")
         efficiency = {e: f["conc64"] / f["fixed"] for e, f in figures.items()}
