@@ -83,3 +83,18 @@ def test_a_busy_process_counts_unless_it_is_one_of_ours():
     # The child's share of the window is what separates the two (it runs on its own core).
     assert with_child - without_child > 0.2
     assert OtherProcessesCPU((child.pid,)).sample() is None  # a pid that is gone: unreadable
+
+
+def test_steal_counts_as_taken_and_idle_time_does_not():
+    """/proc/stat's cpu line: user nice system idle iowait irq softirq steal guest guest_nice."""
+    base = [100, 0, 50, 1000, 10, 1, 2, 0, 0, 0]
+    stolen = list(base)
+    stolen[7] += 300
+    idle = list(base)
+    idle[3] += 300
+    idle[4] += 50
+    guest = list(base)
+    guest[8] += 30  # already inside user
+    assert core_sharing.taken_ticks(stolen) - core_sharing.taken_ticks(base) == 300
+    assert core_sharing.taken_ticks(idle) == core_sharing.taken_ticks(guest)
+    assert core_sharing.taken_ticks(idle) == core_sharing.taken_ticks(base)
