@@ -37,6 +37,15 @@ def random_layer(gen, dtype, bias: bool, qk_norm: bool, window: int) -> dict:
     )
 
 
+WEIGHTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_norm",
+           "gate_up", "gate_up_bias", "down", "down_bias")  # fmt: skip
+
+
+def weights_in_order(layer: dict) -> list:
+    """A layer's weights in ``add_layer``'s order (before the caches and the window)."""
+    return [layer[name] for name in WEIGHTS]
+
+
 def per_operation(x, residual, layer, caches, rotary, meta):
     """One layer from ``cpu_ops``' single functions and torch's linear, as a model would."""
     tokens = x.shape[0]
@@ -108,23 +117,7 @@ def test_stack_equals_the_per_operation_layers(dtype, bias, qk_norm, windows):
         )
         for layer, (key_cache, value_cache) in zip(layers, caches):
             stack.add_layer(
-                *(
-                    layer[k]
-                    for k in (
-                        "input_norm",
-                        "qkv",
-                        "qkv_bias",
-                        "q_norm",
-                        "k_norm",
-                        "o_proj",
-                        "o_bias",
-                        "post_norm",
-                        "gate_up",
-                        "gate_up_bias",
-                        "down",
-                        "down_bias",
-                    )
-                ),
+                *weights_in_order(layer),
                 key_cache,
                 value_cache,
                 layer["window"],
@@ -168,23 +161,7 @@ def test_bad_shapes_raise_value_error_naming_the_field():
     stack = cpu_ops.decoder_stack(HEADS, KV_HEADS, HEAD_SIZE, EPS, 0.25, torch.zeros(64, 16), True)
     layer = random_layer(torch.Generator().manual_seed(0), torch.float32, False, False, 0)
     caches = [torch.zeros(4, BLOCK, KV_HEADS, HEAD_SIZE) for _ in "kv"]
-    args = [
-        layer[k]
-        for k in (
-            "input_norm",
-            "qkv",
-            "qkv_bias",
-            "q_norm",
-            "k_norm",
-            "o_proj",
-            "o_bias",
-            "post_norm",
-            "gate_up",
-            "gate_up_bias",
-            "down",
-            "down_bias",
-        )
-    ]
+    args = weights_in_order(layer)
     with pytest.raises(ValueError, match="qkv"):
         stack.add_layer(*args[:1], args[1][:-1], *args[2:], *caches, 0)
     with pytest.raises(ValueError, match="key_cache"):
