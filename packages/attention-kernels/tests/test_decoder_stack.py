@@ -80,7 +80,7 @@ def per_operation(x, residual, layer, caches, rotary, meta):
     return (x if layer["down_bias"] is None else x + layer["down_bias"]), residual
 
 
-def step(q_lens, seq_lens, tables, gen):
+def step(q_lens, seq_lens, tables):
     """Metadata of one step: sequence i's new tokens are its last q_lens[i] of seq_lens[i]."""
     slots, positions = [], []
     for table, q, s in zip(tables, q_lens, seq_lens):
@@ -132,7 +132,7 @@ def test_stack_equals_the_per_operation_layers(dtype, bias, qk_norm, windows):
             ([11, 2, 1], [11, 5, 10]),
             ([1] * 3, [12, 6, 11]),
         ):
-            meta = step(q_lens, seq_lens, tables[: len(q_lens)], step_gen)
+            meta = step(q_lens, seq_lens, tables[: len(q_lens)])
             x = torch.randn(sum(q_lens), HIDDEN, generator=step_gen).to(dtype)
             if name == "stack":
                 out = stack.forward(

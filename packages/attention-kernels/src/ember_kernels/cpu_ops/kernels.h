@@ -48,8 +48,6 @@ class DecoderStack {
                  std::optional<at::Tensor> down_bias, at::Tensor key_cache,
                  at::Tensor value_cache, int64_t sliding_window);
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // (hidden_states, residual) after every layer; ``residual`` None before the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor hidden_states, std::optional<at::Tensor> residual, const at::Tensor& positions,

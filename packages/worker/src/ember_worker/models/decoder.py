@@ -196,7 +196,6 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
-        self.rms_norm_eps = config.rms_norm_eps
         self._cpu_stack = None
         self._cpu_stack_caches = None  # the first layer's caches when the stack was built
 
@@ -238,7 +237,7 @@ class DecoderModel(nn.Module):
         caches = self.layers[self.start_layer].self_attn.attn.kv_cache
         if caches is not self._cpu_stack_caches:
             layers = list(self.layers)[self.start_layer : self.end_layer]
-            self._cpu_stack = build_cpu_stack(layers, self.rms_norm_eps)
+            self._cpu_stack = build_cpu_stack(layers)
             self._cpu_stack_caches = caches
         return self._cpu_stack
 
