@@ -25,12 +25,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from ember_scheduler.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 def grammar_of(spec: StructuredOutputsParams) -> xgr.Grammar:
     """The xgrammar grammar of a spec; ValueError naming the field when it does not parse."""
+    import xgrammar as xgr
+
     kind = spec.kind
     try:
         if kind in ("json", "json_object"):
@@ -133,6 +138,7 @@ class XGrammarCompiler:
 
 
 def _make_compiler(tokenizer_path: str, vocab_size: int) -> xgr.GrammarCompiler:
+    import xgrammar as xgr
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -150,10 +156,11 @@ class GrammarMatchers:
     ) -> None:
         self.compiler = compiler
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
-        self._bitmask = xgr.allocate_token_bitmask(
-            max_num_reqs * (1 + num_speculative_tokens), compiler.vocab_size
-        )
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._num_rows = max_num_reqs * (1 + num_speculative_tokens)
+        # Made with the first constrained request: importing xgrammar (which imports
+        # transformers) took a second of every engine's start-up.
+        self._bitmask: torch.Tensor | None = None
+        self._batch: xgr.BatchGrammarMatcher | None = None
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -167,7 +174,12 @@ class GrammarMatchers:
     ) -> None:
         """Start a matcher for ``req_id`` (its grammar is compiled, or compiles now), replaying
         the outputs it already has (a request resumed after preemption)."""
+        import xgrammar as xgr
+
         compiled = self.compiler.compile(spec).result()
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(self._num_rows, self.compiler.vocab_size)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(end_token_ids) or None)
         for token in output_token_ids:
             if not matcher.accept_token(token):
@@ -185,6 +197,8 @@ class GrammarMatchers:
         live = [(r, m) for r, m in self._matchers.items() if not m.is_terminated()]
         if not live:
             return
+        import xgrammar as xgr
+
         rows = [req_id_to_index[req_id] for req_id, _ in live]
         bitmask = self._bitmask
         self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, rows)
@@ -207,6 +221,8 @@ class GrammarMatchers:
         has probability 0, so it and all after it are rejected."""
         if not self._matchers:
             return
+        import xgrammar as xgr
+
         bitmask = self._bitmask
         rows = []
         for req_id, matcher in self._matchers.items():
