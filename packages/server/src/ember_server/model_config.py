@@ -5,6 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from ember_server.engine_args import EngineArgs
+from ember_worker.hf_config import (
+    HFConfig,
+    as_token_ids,
+    generation_eos_token_ids,
+    load_hf_config,
+    resolve_model_path,
+)
 
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -35,16 +42,16 @@ class ModelConfig:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> ModelConfig:
-        from transformers import AutoConfig, GenerationConfig
-
         try:
-            hf_config = AutoConfig.from_pretrained(args.model)
-        except (OSError, ValueError) as exc:
+            folder = resolve_model_path(args.model)
+            hf_config = load_hf_config(folder)
+        except OSError as exc:
             raise ValueError(
                 f"EngineArgs.model {args.model!r} is not a model folder: {exc}"
             ) from exc
-        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
-        model_max = getattr(text_config, "max_position_embeddings", None)
+        except ValueError as exc:
+            raise ValueError(f"EngineArgs.model {args.model!r}: {exc}") from exc
+        model_max = hf_config.max_position_embeddings
         max_model_len = args.max_model_len or model_max
         if max_model_len is None:
             raise ValueError("EngineArgs.max_model_len must be given: the model's config has none")
@@ -53,12 +60,8 @@ class ModelConfig:
                 f"EngineArgs.max_model_len ({max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({model_max})"
             )
-        eos_ids = _as_ids(getattr(text_config, "eos_token_id", None))
-        try:
-            generation = GenerationConfig.from_pretrained(args.model)
-            eos_ids = eos_ids + [i for i in _as_ids(generation.eos_token_id) if i not in eos_ids]
-        except OSError:  # no generation_config.json
-            pass
+        eos_ids = as_token_ids(hf_config.eos_token_id)
+        eos_ids += [i for i in generation_eos_token_ids(folder) if i not in eos_ids]
         num_labels = _classifier_num_labels(hf_config)
         runner = args.runner
         if runner == "auto":
@@ -75,32 +78,25 @@ class ModelConfig:
             max_model_len=max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens
             or max(max_model_len, _DEFAULT_MAX_NUM_BATCHED_TOKENS),
-            vocab_size=text_config.vocab_size,
+            vocab_size=hf_config.vocab_size,
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
-            bos_token_id=getattr(text_config, "bos_token_id", None),
+            bos_token_id=hf_config.bos_token_id,
             scheduling_policy=args.scheduling_policy,
             runner=runner,
             pooling_type=args.pooling_type,
-            hidden_size=text_config.hidden_size,
+            hidden_size=hf_config.hidden_size,
             num_labels=num_labels,
             labels=_labels(hf_config) if num_labels is not None else (),
         )
 
 
-def _labels(hf_config) -> tuple[str, ...]:
-    id2label = getattr(hf_config, "id2label", None) or {}
-    return tuple(str(id2label.get(i, f"LABEL_{i}")) for i in range(hf_config.num_labels))
+def _labels(hf_config: HFConfig) -> tuple[str, ...]:
+    return tuple(str(hf_config.id2label.get(i, f"LABEL_{i}")) for i in range(hf_config.num_labels))
 
 
-def _classifier_num_labels(hf_config) -> int | None:
+def _classifier_num_labels(hf_config: HFConfig) -> int | None:
     archs = getattr(hf_config, "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in archs):
         return hf_config.num_labels
     return None
-
-
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]

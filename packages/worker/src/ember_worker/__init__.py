@@ -1,24 +1,31 @@
-"""Model loading, models, input batch, sampler and model runner of Ember."""
+"""Model loading, models, input batch, sampler and model runner of Ember.
 
-from ember_worker.executor import InProcessExecutor
-from ember_worker.input_batch import InputBatch
-from ember_worker.model_loader import LoadedModel, load_model, resolve_model_path
-from ember_worker.model_runner import ModelRunner
-from ember_worker.models import SUPPORTED_ARCHITECTURES, DecoderConfig, DecoderForCausalLM
-from ember_worker.sampler import Sampler
+The names below are imported on first use, so that a process that only reads a model's config
+(the API server, through ``ember_worker.hf_config``) never imports torch.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "DecoderConfig",
-    "DecoderForCausalLM",
-    "InProcessExecutor",
-    "InputBatch",
-    "LoadedModel",
-    "ModelRunner",
-    "Sampler",
-    "__version__",
-    "load_model",
-    "resolve_model_path",
-]
+_MODULE_OF = {
+    "SUPPORTED_ARCHITECTURES": "ember_worker.models",
+    "DecoderConfig": "ember_worker.models",
+    "DecoderForCausalLM": "ember_worker.models",
+    "InProcessExecutor": "ember_worker.executor",
+    "InputBatch": "ember_worker.input_batch",
+    "LoadedModel": "ember_worker.model_loader",
+    "ModelRunner": "ember_worker.model_runner",
+    "Sampler": "ember_worker.sampler",
+    "load_model": "ember_worker.model_loader",
+    "resolve_model_path": "ember_worker.hf_config",
+}
+
+__all__ = [*sorted(_MODULE_OF), "__version__"]
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember_worker' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

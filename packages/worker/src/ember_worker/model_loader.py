@@ -12,17 +12,16 @@ import os
 import pathlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
+from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
-_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
 @dataclass
@@ -31,42 +30,12 @@ class LoadedModel:
 
     model: DecoderForCausalLM
     config: DecoderConfig
-    hf_config: Any
+    hf_config: HFConfig
     dtype: torch.dtype
     path: pathlib.Path
 
 
-def resolve_model_path(
-    model: str | os.PathLike, *, revision: str | None = None, local_files_only: bool = False
-) -> pathlib.Path:
-    """A local folder as is; otherwise a Hugging Face hub repo id, resolved by ``huggingface_hub``
-    (its local cache first). Raises OSError naming the model when neither works."""
-    path = pathlib.Path(model).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(
-            str(model), revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
-        )
-    except Exception as cached_error:
-        if local_files_only:
-            raise OSError(
-                f"model {str(model)!r} is not a local folder and not in the Hugging Face cache "
-                f"({type(cached_error).__name__}: {cached_error})"
-            ) from cached_error
-        try:
-            folder = snapshot_download(str(model), revision=revision, allow_patterns=_HUB_FILES)
-        except Exception as error:
-            raise OSError(
-                f"model {str(model)!r} is not a local folder and could not be fetched from the "
-                f"Hugging Face hub ({type(error).__name__}: {error})"
-            ) from error
-    return pathlib.Path(folder)
-
-
-def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig) -> torch.dtype:
     """``"auto"`` takes the checkpoint's dtype (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -125,20 +94,8 @@ def load_model(
 
     Under tensor or pipeline parallelism each rank builds only its shards and stage, and copies
     each checkpoint tensor's slice into them as it is read (tensors of other stages are skipped)."""
-    from transformers import AutoConfig
-
     path = resolve_model_path(model, revision=revision)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model folder)")
-    raw = json.loads(config_file.read_text())
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError) as error:
-        raise ValueError(
-            f"architecture {raw.get('architectures') or raw.get('model_type')!r} is not "
-            f"supported ({error})"
-        ) from error
+    hf_config = load_hf_config(path)
     config = DecoderConfig.from_hf_config(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM

@@ -16,9 +16,10 @@ import torch
 from ember_kv_cache import KVTransferConfig, LayoutFingerprint
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed.groups import ParallelConfig, RankGroups
+from ember_worker.hf_config import load_hf_config, resolve_model_path
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
-from ember_worker.model_loader import load_model, resolve_model_path
+from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
 from ember_worker.structured_outputs import XGrammarCompiler
@@ -156,11 +157,7 @@ class Worker:
 
 def model_vocab_size(model: str) -> int:
     """The vocabulary size in a model folder's config (for executors that load no weights)."""
-    from transformers import AutoConfig
-
-    return DecoderConfig.from_hf_config(
-        AutoConfig.from_pretrained(resolve_model_path(model))
-    ).vocab_size
+    return DecoderConfig.from_hf_config(load_hf_config(resolve_model_path(model))).vocab_size
 
 
 def make_grammar_compiler(config: WorkerConfig, vocab_size: int) -> XGrammarCompiler:

@@ -1,0 +1,164 @@
+"""A Hugging Face model folder's configuration, read as transformers reads it, without transformers.
+
+transformers 5 imports torch with any of its configuration classes whenever torch is installed:
+``AutoConfig`` cost the engine core 1.5 s of a 2-core machine's start-up, and put torch into the
+API server, which needs neither. For the model types Ember runs, the fields a config.json leaves
+out get the defaults of their transformers class here, and the classes' rules (head size, the
+windowed layers, the RoPE parameters, the labels) are applied as they apply them;
+``tests/test_hf_config.py`` holds every field Ember reads to ``AutoConfig`` over many variants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import types
+from typing import Any
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+_LLAMA_SHAPE = dict(
+    vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+    hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
+)  # fmt: skip
+_QWEN_SHAPE = dict(
+    _LLAMA_SHAPE, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+    max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
+    max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+
+# model_type -> the defaults of its transformers config class, for the fields Ember reads.
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        _LLAMA_SHAPE, intermediate_size=11008, num_key_value_heads=None,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, attention_bias=False,
+        mlp_bias=False,
+    ),
+    "mistral": dict(
+        _LLAMA_SHAPE, intermediate_size=14336, num_key_value_heads=8,
+        max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, sliding_window=4096,
+    ),
+    "qwen2": {k: v for k, v in _QWEN_SHAPE.items() if k != "head_dim"},
+    "qwen3": dict(_QWEN_SHAPE, head_dim=128, attention_bias=False),
+}  # fmt: skip
+
+# RoPE types whose parameters carry the context length the model was trained on.
+_LONG_CONTEXT_ROPE = ("llama3", "yarn", "longrope")
+
+
+class HFConfig(types.SimpleNamespace):
+    """A model's config.json as attributes, completed as its transformers config class would."""
+
+
+def resolve_model_path(
+    model: str | os.PathLike, *, revision: str | None = None, local_files_only: bool = False
+) -> pathlib.Path:
+    """A local folder as is; otherwise a Hugging Face hub repo id, resolved by ``huggingface_hub``
+    (its local cache first). Raises OSError naming the model when neither works."""
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            str(model), revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
+        )
+    except Exception as cached_error:
+        if local_files_only:
+            raise OSError(
+                f"model {str(model)!r} is not a local folder and not in the Hugging Face cache "
+                f"({type(cached_error).__name__}: {cached_error})"
+            ) from cached_error
+        try:
+            folder = snapshot_download(str(model), revision=revision, allow_patterns=_HUB_FILES)
+        except Exception as error:
+            raise OSError(
+                f"model {str(model)!r} is not a local folder and could not be fetched from the "
+                f"Hugging Face hub ({type(error).__name__}: {error})"
+            ) from error
+    return pathlib.Path(folder)
+
+
+def _read_json(file: pathlib.Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def load_hf_config(folder: str | os.PathLike) -> HFConfig:
+    """The config.json of a model folder, with its model type's defaults and rules applied.
+
+    OSError when the folder has no config.json; ValueError when it is not JSON or its model type
+    is not one Ember runs."""
+    file = pathlib.Path(folder) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json (not a Hugging Face model folder)")
+    return hf_config_from_dict(_read_json(file))
+
+
+def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
+    """``raw`` (a config.json's contents) completed as its transformers config class would."""
+    model_type = raw.get("model_type")
+    defaults = MODEL_TYPE_DEFAULTS.get(model_type)
+    if defaults is None:
+        raise ValueError(
+            f"model type {model_type!r} (architectures {raw.get('architectures')}) is not "
+            f"supported; Ember runs model types {sorted(MODEL_TYPE_DEFAULTS)}"
+        )
+    config = {**defaults, **raw}
+    if config.get("num_key_value_heads") is None:
+        config["num_key_value_heads"] = config["num_attention_heads"]
+    if model_type in ("llama", "mistral") and config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if model_type in ("qwen2", "qwen3"):
+        if not config["use_sliding_window"]:
+            config["sliding_window"] = None
+        if config["layer_types"] is None:
+            config["layer_types"] = [
+                "sliding_attention"
+                if config["sliding_window"] is not None and i >= config["max_window_layers"]
+                else "full_attention"
+                for i in range(config["num_hidden_layers"])
+            ]
+    config["dtype"] = raw.get("dtype") or raw.get("torch_dtype")
+    config["rope_parameters"] = _rope_parameters(config)
+    id2label = raw.get("id2label")
+    if id2label is None:
+        id2label = {i: f"LABEL_{i}" for i in range(int(raw.get("num_labels") or 2))}
+    config["id2label"] = {int(k): v for k, v in id2label.items()}
+    config["num_labels"] = len(config["id2label"])
+    return HFConfig(**config)
+
+
+def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters``: the legacy ``rope_scaling`` (or ``rope_parameters``)
+    with ``rope_theta``, ``partial_rotary_factor`` and ``rope_type`` folded in."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if config.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in _LONG_CONTEXT_ROPE:
+        params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return params
+
+
+def generation_eos_token_ids(folder: str | os.PathLike) -> list[int]:
+    """The EOS ids of a model folder's generation_config.json (none without one)."""
+    file = pathlib.Path(folder) / "generation_config.json"
+    if not file.is_file():
+        return []
+    return as_token_ids(_read_json(file).get("eos_token_id"))
+
+
+def as_token_ids(value: int | list[int] | None) -> list[int]:
+    """A config's token id field (one id, a list of them, or none) as a list."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]

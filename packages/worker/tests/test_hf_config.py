@@ -1,0 +1,145 @@
+"""Config files read without transformers, held to transformers' own reading of them.
+
+Every field Ember reads from a model's config (through ``DecoderConfig``, ``resolve_dtype`` and
+the server's ``ModelConfig``) must come out as ``AutoConfig`` reads it, for each supported model
+type, over config.json variants that leave out, null or set each field, in the legacy and the
+current RoPE forms, with windows, labels and dtypes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from transformers import AutoConfig
+
+from ember_worker.hf_config import (
+    MODEL_TYPE_DEFAULTS,
+    generation_eos_token_ids,
+    hf_config_from_dict,
+    load_hf_config,
+)
+from ember_worker.model_loader import resolve_dtype
+from ember_worker.models import DecoderConfig
+
+# Fields the server's ModelConfig reads, beside DecoderConfig's.
+SERVER_FIELDS = (
+    "max_position_embeddings", "vocab_size", "hidden_size", "bos_token_id", "eos_token_id",
+    "num_labels", "id2label", "architectures",
+)  # fmt: skip
+ARCHITECTURES = {
+    "llama": ["LlamaForCausalLM", "LlamaForSequenceClassification"],
+    "mistral": ["MistralForCausalLM"],
+    "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
+    "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
+}
+# Fields a transformers class types as a plain int: it refuses the config when they are null.
+NULL_REFUSED = {"mistral": ("num_key_value_heads",), "qwen3": ("head_dim",)}
+ABSENT = object()
+ROPES = [
+    {},
+    {"rope_theta": 500000.0},
+    {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1e6},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 20000.0}},
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0},
+     "original_max_position_embeddings": 128},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    {"partial_rotary_factor": 0.5},
+]  # fmt: skip
+CHOICES = {
+    "hidden_size": [ABSENT, 128],
+    "num_attention_heads": [ABSENT, 4],
+    "num_key_value_heads": [ABSENT, None, 1, 2],
+    "head_dim": [ABSENT, None, 16, 64],
+    "intermediate_size": [ABSENT, 96],
+    "num_hidden_layers": [ABSENT, 3],
+    "vocab_size": [ABSENT, 512],
+    "max_position_embeddings": [ABSENT, 4096],
+    "rms_norm_eps": [ABSENT, 1e-5],
+    "tie_word_embeddings": [ABSENT, True, False],
+    "attention_bias": [ABSENT, True, False],
+    "mlp_bias": [ABSENT, True],
+    "sliding_window": [ABSENT, None, 64],
+    "use_sliding_window": [ABSENT, True, False],
+    "max_window_layers": [ABSENT, 1],
+    "bos_token_id": [ABSENT, None, 7],
+    "eos_token_id": [ABSENT, None, 3, [3, 9]],
+    "id2label": [ABSENT, {"0": "no", "1": "yes", "2": "maybe"}],
+    "num_labels": [ABSENT, 1, 3],
+    "dtype": [ABSENT, "bfloat16", "float32"],
+    "torch_dtype": [ABSENT, "float16"],
+}
+
+
+def _variants(model_type: str, count: int) -> list[dict]:
+    """The bare config (every default), then ``count`` random ones."""
+    rng = random.Random(f"hf-config-{model_type}")
+    variants = [{"model_type": model_type, "architectures": ARCHITECTURES[model_type][:1]}]
+    for _ in range(count):
+        raw = {"model_type": model_type, "architectures": [rng.choice(ARCHITECTURES[model_type])]}
+        for field, values in CHOICES.items():
+            value = rng.choice(values)
+            if value is not ABSENT:
+                raw[field] = value
+        if "num_attention_heads" not in raw and "hidden_size" in raw:
+            raw["num_attention_heads"] = 4  # the default 32 heads do not divide 128
+        for field in NULL_REFUSED.get(model_type, ()):
+            if field in raw and raw[field] is None:
+                del raw[field]
+        if "id2label" in raw and "num_labels" in raw:
+            del raw["num_labels"]  # transformers only warns when they disagree
+        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3:
+            raw["layer_types"] = ["full_attention", "sliding_attention", "full_attention"]
+        raw.update(json.loads(json.dumps(rng.choice(ROPES))))
+        variants.append(raw)
+    return variants
+
+
+def _fields(config) -> dict:
+    fields = {name: getattr(config, name, None) for name in SERVER_FIELDS}
+    fields["decoder"] = DecoderConfig.from_hf_config(config)
+    fields["dtype"] = resolve_dtype("auto", config)
+    return fields
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPE_DEFAULTS))
+def test_every_field_reads_as_transformers_reads_it(tmp_path, model_type):
+    for index, raw in enumerate(_variants(model_type, 60)):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(raw))
+        expected = _fields(AutoConfig.from_pretrained(folder))
+        assert _fields(load_hf_config(folder)) == expected, raw
+
+
+def test_the_defaults_are_the_transformers_classes_defaults():
+    for model_type in MODEL_TYPE_DEFAULTS:
+        raw = {"model_type": model_type}
+        ours, theirs = hf_config_from_dict(raw), AutoConfig.for_model(model_type)
+        for field in MODEL_TYPE_DEFAULTS[model_type]:
+            assert getattr(ours, field) == getattr(theirs, field), (model_type, field)
+
+
+def test_generation_config_eos_ids(tmp_path):
+    assert generation_eos_token_ids(tmp_path) == []
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [5, 6]}')
+    assert generation_eos_token_ids(tmp_path) == [5, 6]
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 4}')
+    assert generation_eos_token_ids(tmp_path) == [4]
+
+
+def test_bad_folders_get_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds list, not a JSON object"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LM"]}')
+    with pytest.raises(ValueError, match=r"model type 'gpt2' \(architectures \['GPT2LM'\]\) is"):
+        load_hf_config(tmp_path)
