@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Sequence
 
 from ember_server.detokenizer import backend_tokenizer
+from ember_server.tokenizer_class_cache import cached_tokenizer_class, remember_tokenizer_class
 
 
 def load_tokenizer(path: str):
-    """The fast Hugging Face tokenizer in ``path`` (``AutoTokenizer``; no hub access)."""
-    from transformers import AutoTokenizer
-
+    """The fast Hugging Face tokenizer in ``path``, of the class ``AutoTokenizer`` picks for it
+    (remembered from an earlier start where the folder is unchanged: see
+    ``tokenizer_class_cache``)."""
+    folder = pathlib.Path(path).expanduser()
+    cls = cached_tokenizer_class(folder) if folder.is_dir() else None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        if cls is not None:
+            tokenizer = cls.from_pretrained(path)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            if folder.is_dir():
+                remember_tokenizer_class(folder, type(tokenizer))
     except (OSError, ValueError) as exc:
         raise ValueError(f"EngineArgs.tokenizer {path!r} holds no usable tokenizer: {exc}") from exc
     backend_tokenizer(tokenizer)  # fail now, not at the first request
