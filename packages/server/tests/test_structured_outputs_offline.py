@@ -156,7 +156,8 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_model):
     outputs so far, and every output still validates."""
     from ember_scheduler import EngineCoreRequest
 
-    llm = LLM(str(tiny_model("llama")), kv_cache_memory=96 * 1024, max_model_len=1024)
+    # 11 blocks of 16 tokens: room for one sequence of the longest context, not for the batch.
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory=96 * 1024, max_model_len=176)
     try:
         core, tokenizer = llm.engine_core, llm.get_tokenizer()
         for i, schema in enumerate(SCHEMAS):
