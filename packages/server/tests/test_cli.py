@@ -15,7 +15,7 @@ import pytest
 from ember_server.cli import UsageError, make_parser, resolve_model
 from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.engine_args import EngineArgs
-from ember_server.openai.api_server import bind_socket
+from ember_server.openai.listener import bind_socket
 
 
 def _parse(*argv: str):

@@ -13,7 +13,7 @@ from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.core_client import AsyncMPClient, EngineDeadError
+from ember_server.core_client import AsyncMPClient, EngineDeadError, launch_engines
 from ember_server.data_parallel import DataParallelRouter
 from ember_server.engine_args import EngineArgs
 from ember_server.input_processor import InputProcessor, PromptType
@@ -79,9 +79,16 @@ class AsyncLLM:
         ]
 
     @classmethod
-    async def start(cls, args: EngineArgs, *, startup_timeout: float = 600.0) -> AsyncLLM:
-        """Spawn the engine core processes and, while they load the model, the tokenizer here;
-        return once every engine's handshake arrives."""
+    async def start(
+        cls,
+        args: EngineArgs,
+        *,
+        clients: list[AsyncMPClient] | None = None,
+        startup_timeout: float = 600.0,
+    ) -> AsyncLLM:
+        """Spawn the engine core processes (or take those ``launch_engines`` started) and, while
+        they load the model, load the tokenizer here; return once every engine's handshake
+        arrives. On failure or cancellation every engine is stopped."""
         dead_codes: dict[int, int] = {}
         engine: AsyncLLM | None = None
 
@@ -91,25 +98,24 @@ class AsyncLLM:
             else:
                 engine._on_engine_dead(index, f"engine core process exited with code {code}")
 
+        if clients is None:
+            clients = launch_engines(args)
         starting = [
             asyncio.ensure_future(
-                AsyncMPClient.start(
-                    args,
-                    functools.partial(on_engine_dead, index),
-                    startup_timeout=startup_timeout,
-                )
+                client.wait_ready(functools.partial(on_engine_dead, index), startup_timeout)
             )
-            for index in range(args.data_parallel_size)
+            for index, client in enumerate(clients)
         ]
         try:
             model_config, tokenizer = await asyncio.to_thread(_load_front_end, args)
-            clients = await asyncio.gather(*starting)
+            await asyncio.gather(*starting)
         except BaseException:
             for task in starting:
                 task.cancel()  # stops an engine process still starting
-            for task in starting:  # and shuts down those that started
-                with contextlib.suppress(BaseException):
-                    await (await task).shutdown()
+            await asyncio.gather(*starting, return_exceptions=True)
+            for client in clients:  # and those that started, or whose wait never began
+                with contextlib.suppress(Exception):
+                    await client.shutdown(timeout=0.0)
             raise
         engine = cls(args, model_config, tokenizer, clients, EngineMetrics(args.model_name))
         for index, code in dead_codes.items():

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import pathlib
+import signal
 import sys
 import traceback
 
@@ -94,21 +95,49 @@ def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from ember_server.openai.api_server import run_server
+class _StoppedDuringStartUp(Exception):
+    """A SIGTERM or SIGINT that came before the server's event loop took the signals over."""
 
-    return run_event_loop(
-        run_server(
-            EngineArgs.from_cli_args(args),
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            log_level=args.uvicorn_log_level,
-            tool_call_parser=args.tool_call_parser,
-            shutdown_timeout=args.shutdown_timeout,
-            max_body_size=args.max_request_body_size,
+
+def _stop_start_up(signum: int, frame) -> None:
+    raise _StoppedDuringStartUp(signal.Signals(signum).name)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ember_server.core_client import launch_engines
+    from ember_server.openai.listener import bind_socket
+
+    engine_args = EngineArgs.from_cli_args(args)
+    listener = bind_socket(args.host, args.port)  # a port in use fails before anything starts
+    engines = []
+    # Until run_server handles the signals, either one stops the start-up cleanly, as it does.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_start_up)
+    try:
+        # The engine cores start first: the API server's own imports (FastAPI, the routes) then
+        # run beside their start-up instead of before it.
+        engines = launch_engines(engine_args)
+        from ember_server.openai.api_server import run_server
+
+        return run_event_loop(
+            run_server(
+                engine_args,
+                listener,
+                engines,
+                api_key=args.api_key,
+                log_level=args.uvicorn_log_level,
+                tool_call_parser=args.tool_call_parser,
+                shutdown_timeout=args.shutdown_timeout,
+                max_body_size=args.max_request_body_size,
+            )
         )
-    )
+    except _StoppedDuringStartUp as stop:
+        logger.info("%s during start-up: stopping", stop)
+        return 0
+    finally:  # run_server stops them; this covers a start-up stopped before it ran
+        listener.close()
+        for engine in engines:
+            engine.abandon()
 
 
 def _generate(args: argparse.Namespace) -> int:

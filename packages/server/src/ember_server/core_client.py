@@ -1,8 +1,8 @@
 """The front end's side of the engine core process: spawn, handshake, send, receive, watch.
 
-``AsyncMPClient.start`` binds a ROUTER (requests out) and a PULL (outputs in) on IPC sockets in a
-private temp folder, starts ``python -m ember_server.core_process`` and waits for its READY (or
-FAILED, or its exit). A thread waits on the process; the moment it exits the client calls
+``AsyncMPClient.launch`` binds a ROUTER (requests out) and a PULL (outputs in) on IPC sockets in a
+private temp folder and starts ``python -m ember_server.core_process``; ``wait_ready`` waits for
+its READY (or FAILED, or its exit). A thread waits on the process; the moment it exits the client calls
 ``on_engine_dead`` in the event loop, so nobody waits on a dead engine.
 """
 
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -82,44 +83,52 @@ class AsyncMPClient:
         self._exited: asyncio.Future | None = None
         self._on_engine_dead: Callable[[int], None] | None = None
         self._shutting_down = False
+        self._launched_at = 0.0
+        self._closed = False
 
     @classmethod
-    async def start(
-        cls,
-        args: EngineArgs,
-        on_engine_dead: Callable[[int], None],
-        startup_timeout: float = 600.0,
-    ) -> AsyncMPClient:
-        """Spawn the engine core process and wait for its handshake."""
+    def launch(cls, args: EngineArgs) -> AsyncMPClient:
+        """Bind the sockets and start the engine core process, without waiting for it (no event
+        loop needed); ``wait_ready`` then waits for its handshake."""
         client = cls()
         try:
-            await client._spawn(args, on_engine_dead, startup_timeout)
+            command = [
+                sys.executable, "-m", "ember_server.core_process",
+                "--input-address", client.input_address,
+                "--output-address", client.output_address,
+                "--parent-pid", str(os.getpid()),
+                "--engine-args", msgspec.json.encode(args).decode(),
+            ]  # fmt: skip
+            # A user's own OpenMP waiting settings win (see engine_factory.default_step_threads).
+            env = dict(os.environ)
+            if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
+                env.update(ENGINE_OMP_ENV)
+            client._launched_at = time.monotonic()
+            client.process = subprocess.Popen(command, env=env)
         except BaseException:
-            client._shutting_down = True
-            await asyncio.to_thread(client._stop_process, 0.0)
             client._close()
             raise
+        logger.info(
+            "starting the engine core process (pid %d) for %s", client.process.pid, args.model
+        )
         return client
 
-    async def _spawn(self, args: EngineArgs, on_engine_dead, startup_timeout: float) -> None:
+    async def wait_ready(
+        self, on_engine_dead: Callable[[int], None], startup_timeout: float = 600.0
+    ) -> None:
+        """Wait for the launched engine's handshake; on any failure (or cancellation) the
+        process is stopped and the sockets closed."""
+        try:
+            await self._handshake(on_engine_dead, startup_timeout)
+        except BaseException:
+            self._shutting_down = True
+            await asyncio.to_thread(self._stop_process, 0.0)
+            self._close()
+            raise
+
+    async def _handshake(self, on_engine_dead, startup_timeout: float) -> None:
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()
-        command = [
-            sys.executable, "-m", "ember_server.core_process",
-            "--input-address", self.input_address,
-            "--output-address", self.output_address,
-            "--parent-pid", str(os.getpid()),
-            "--engine-args", msgspec.json.encode(args).decode(),
-        ]  # fmt: skip
-        started = loop.time()
-        # A user's own OpenMP waiting settings win (see engine_factory.default_step_threads).
-        env = dict(os.environ)
-        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
-            env.update(ENGINE_OMP_ENV)
-        self.process = subprocess.Popen(command, env=env)
-        logger.info(
-            "starting the engine core process (pid %d) for %s", self.process.pid, args.model
-        )
         threading.Thread(
             target=self._wait_for_exit, args=(loop,), name="ember-engine-watch", daemon=True
         ).start()
@@ -154,7 +163,7 @@ class AsyncMPClient:
         self.ready = msgspec.msgpack.decode(payload, type=msg.EngineCoreReady)
         logger.info(
             "engine core ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
-            loop.time() - started,
+            time.monotonic() - self._launched_at,
             self.ready.num_kv_blocks,
             self.ready.block_size,
             self.ready.max_model_len,
@@ -224,6 +233,29 @@ class AsyncMPClient:
             process.kill()
             process.wait()
 
+    def abandon(self) -> None:
+        """Stop a launched engine at once and close, outside any event loop (the front end
+        failed before waiting for it)."""
+        self._shutting_down = True
+        self._stop_process(0.0)
+        self._close()
+
     def _close(self) -> None:
-        self._context.destroy(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if not self._closed:
+            self._closed = True
+            self._context.destroy(linger=0)
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def launch_engines(args: EngineArgs) -> list[AsyncMPClient]:
+    """Start ``args.data_parallel_size`` engine core processes without waiting for them (for
+    ``AsyncLLM.start(args, clients=...)``); if one cannot start, those already started stop."""
+    clients: list[AsyncMPClient] = []
+    try:
+        for _ in range(args.data_parallel_size):
+            clients.append(AsyncMPClient.launch(args))
+    except BaseException:
+        for client in clients:
+            client.abandon()
+        raise
+    return clients

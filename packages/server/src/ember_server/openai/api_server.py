@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import ember_server
-from ember_server.core_client import EngineDeadError
+from ember_server.core_client import AsyncMPClient, EngineDeadError
 from ember_server.engine_args import EngineArgs
 from ember_server.metrics import CONTENT_TYPE
 from ember_server.openai.api_key import APIKeyMiddleware
@@ -167,21 +167,6 @@ def build_app(
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on ``host:port``: bound before the model loads, so that a port in use
-    (or a bad host) fails at once, not after the minutes a model can take."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        listener = socket.create_server((host, port), family=family[0][0], backlog=2048)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise OSError(f"cannot listen on {host}:{port}: {reason} (pass another --port)") from None
-    # asyncio turns Nagle's algorithm off only on sockets whose ``proto`` is IPPROTO_TCP, and
-    # ``create_server`` leaves it 0; without this, every response on a kept-alive connection
-    # waited 40 ms for the client's delayed ACK. From the descriptor alone, ``proto`` is read back.
-    return socket.socket(fileno=listener.detach())
-
-
 class _Server(uvicorn.Server):
     """uvicorn without its signal handlers: ``run_server`` decides what a signal does (uvicorn's
     own re-raise the signal after serving, which kills the process before the engine stops)."""
@@ -193,27 +178,29 @@ class _Server(uvicorn.Server):
 
 async def run_server(
     engine_args: EngineArgs,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    listener: socket.socket,
+    engines: list[AsyncMPClient],
+    *,
     api_key: str | None = None,
     log_level: str = "info",
     tool_call_parser: str | None = None,
     shutdown_timeout: float | None = None,
     max_body_size: int | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT or the engine's death; the exit status (0 stopped, 1 engine died).
+    """Serve on ``listener`` until SIGTERM/SIGINT or the engine's death; the exit status (0
+    stopped, 1 engine died). ``engines`` are the engine core processes ``launch_engines``
+    started for ``engine_args`` (the CLI starts them before importing this module).
 
     On the first signal the server stops accepting, lets requests in flight finish for up to
     ``shutdown_timeout`` seconds (default ``DEFAULT_SHUTDOWN_TIMEOUT``) and fails the rest with a
-    503 (a second signal fails them at once). In every case the engine core process is stopped
-    and its socket folder removed.
+    503 (a second signal fails them at once). In every case the engine core processes are
+    stopped and their socket folders removed.
     """
     from ember_server.async_llm import AsyncLLM
 
     if shutdown_timeout is None:
         shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT
 
-    listener = bind_socket(host, port)
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -222,7 +209,7 @@ async def run_server(
     try:
         # A signal while the model loads stops the start-up (engine process and socket folder
         # included) instead of killing this process midway.
-        starting = asyncio.ensure_future(AsyncLLM.start(engine_args))
+        starting = asyncio.ensure_future(AsyncLLM.start(engine_args, clients=engines))
         stop = asyncio.ensure_future(signals.get())
         await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
@@ -243,6 +230,7 @@ async def run_server(
         )
         server = _Server(config)
         serving = asyncio.ensure_future(server.serve(sockets=[listener]))
+        host, port = listener.getsockname()[:2]
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)
         stop = asyncio.ensure_future(signals.get())
         died = asyncio.ensure_future(engine.wait_until_dead())
@@ -264,6 +252,9 @@ async def run_server(
         listener.close()
         if engine is not None:
             await engine.shutdown()
+        else:  # start-up failed or was stopped: any engine it had not stopped yet stops now
+            for client in engines:
+                await client.shutdown(timeout=0.0)
 
 
 async def _drain(engine, sig: signal.Signals, signals: asyncio.Queue, timeout: float) -> None:
