@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from ek_inputs import fresh_generator
 
 from ember_kernels import RotaryEmbedding, cpu_ops
+from ember_kernels.packed_linear import linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
 
@@ -47,13 +47,14 @@ def weights_in_order(layer: dict) -> list:
 
 
 def per_operation(x, residual, layer, caches, rotary, meta):
-    """One layer from ``cpu_ops``' single functions and torch's linear, as a model would."""
+    """One layer from ``cpu_ops``' single functions and ``packed_linear.linear``, as a model
+    would."""
     tokens = x.shape[0]
     if residual is None:
         residual, x = x, cpu_ops.rms_norm(x, layer["input_norm"], EPS)
     else:
         x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["input_norm"], EPS)
-    qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+    qkv = linear(x, layer["qkv"], layer["qkv_bias"])
     q, k, v = qkv.split([HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE], dim=-1)
     q, k = q.reshape(tokens, HEADS, HEAD_SIZE), k.reshape(tokens, KV_HEADS, HEAD_SIZE)
     v = v.reshape(tokens, KV_HEADS, HEAD_SIZE)
@@ -71,11 +72,11 @@ def per_operation(x, residual, layer, caches, rotary, meta):
         scale=HEAD_SIZE**-0.5,
         sliding_window=layer["window"] or None,
     )
-    x = F.linear(out.view(tokens, -1), layer["o_proj"])
+    x = linear(out.view(tokens, -1), layer["o_proj"])
     x = x if layer["o_bias"] is None else x + layer["o_bias"]
     x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["post_norm"], EPS)
-    x = F.linear(
-        cpu_ops.silu_and_mul(F.linear(x, layer["gate_up"], layer["gate_up_bias"])), layer["down"]
+    x = linear(
+        cpu_ops.silu_and_mul(linear(x, layer["gate_up"], layer["gate_up_bias"])), layer["down"]
     )
     return (x if layer["down_bias"] is None else x + layer["down_bias"]), residual
 
@@ -96,14 +97,23 @@ def step(q_lens, seq_lens, tables):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "packed"),
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+     (torch.float16, False)],
+)  # fmt: skip
 @pytest.mark.parametrize(
     ("bias", "qk_norm", "windows"),
     [(False, False, [0, 0]), (True, False, [0, 5]), (False, True, [7, 7])],
 )
-def test_stack_equals_the_per_operation_layers(dtype, bias, qk_norm, windows):
+def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, windows):
+    """Bit for bit, with plain weights and with weights packed for oneDNN."""
     gen, seed = fresh_generator()
     layers = [random_layer(gen, dtype, bias, qk_norm, w) for w in windows]
+    if packed:
+        for layer in layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                layer[name] = pack_linear_weight(layer[name])
     rotary = RotaryEmbedding(HEAD_SIZE, HEAD_SIZE, 64, 10000.0, True, None, dtype)
     num_blocks = 24
     runs = {}

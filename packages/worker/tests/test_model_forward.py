@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from ember_kernels import cpu_ops
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from ember_worker.layers import linear as linear_layers
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_loader import load_model
 
@@ -129,13 +130,19 @@ CPU_STACK_MODELS = [
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "packed"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
+)
 @pytest.mark.parametrize(("arch", "overrides"), CPU_STACK_MODELS)
-def test_the_compiled_cpu_stack_equals_the_per_operation_path(tiny_model, arch, overrides, dtype):
+def test_the_compiled_cpu_stack_equals_the_per_operation_path(
+    tiny_model, arch, overrides, dtype, packed, monkeypatch
+):
     """Bit for bit, over a mixed step (prefills, a chunk after cached tokens, a decode) and then a
-    decode of each sequence, each path on KV caches of its own; the stack did run, on the
-    caches bound last."""
-    loaded = load_model(tiny_model(arch, **overrides), dtype=dtype)
+    decode of each sequence, each path on KV caches of its own, with plain weights and with
+    weights packed for oneDNN; the stack did run, on the caches bound last."""
+    monkeypatch.setattr(linear_layers, "MIN_PACKED_ELEMENTS", 0)  # the test models' are small
+    loaded = load_model(tiny_model(arch, **overrides), dtype=dtype, pack_weights=packed)
+    assert loaded.model.model.layers[0].mlp.down_proj.weight.is_mkldnn == packed
     c, model = loaded.config, loaded.model
     spec = KVCacheSpec(c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
     gen = torch.Generator().manual_seed(1)

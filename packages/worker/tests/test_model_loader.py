@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ember_worker.layers import linear as linear_layers
+from ember_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model, resolve_model_path, safetensors_files
 
@@ -123,3 +125,32 @@ def test_a_tensor_parallel_group_needs_a_process_group():
         TensorParallelGroup(rank=0, size=2)
     with pytest.raises(ValueError, match="rank must be in"):
         TensorParallelGroup(rank=1, size=1)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM heads
+def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, arch, monkeypatch):
+    path = tiny_model(arch)
+    by_size = load_model(path, pack_weights=True)
+    for module in by_size.model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            big = module.weight.numel() >= linear_layers.MIN_PACKED_ELEMENTS
+            assert module.weight.is_mkldnn == big
+    monkeypatch.setattr(linear_layers, "MIN_PACKED_ELEMENTS", 0)
+    plain, packed = load_model(path), load_model(path, pack_weights=True)
+    projections = [
+        m for m in packed.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+    assert projections and all(m.weight.is_mkldnn for m in projections)
+    head, embedding = packed.model.lm_head, packed.model.model.embed_tokens
+    assert head.weight.is_mkldnn != packed.config.tie_word_embeddings
+    assert not embedding.weight.is_mkldnn
+    ids = torch.arange(3, 40)
+    hidden = [m.model.model.embed_tokens(ids) for m in (plain, packed)]
+    for layer_index in range(2):
+        x = [m.model.model.layers[layer_index].mlp(h) for m, h in zip((plain, packed), hidden)]
+        torch.testing.assert_close(x[1], x[0], rtol=1e-5, atol=1e-5)
+    logits = [m.model.compute_logits(hidden[0]) for m in (plain, packed)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    bf16 = load_model(path, dtype="bfloat16", pack_weights=True)
+    assert not any(p.is_mkldnn for p in bf16.model.parameters())  # float32 only

@@ -31,7 +31,7 @@ class DraftModelProposer:
     def __init__(
         self, config: SpeculativeConfig, target: LoadedModel, batch: InputBatch, device
     ) -> None:
-        loaded = load_model(config.model, dtype=target.dtype, device=device)
+        loaded = load_model(config.model, dtype=target.dtype, device=device, pack_weights=True)
         vocab, target_vocab = loaded.config.vocab_size, target.config.vocab_size
         if vocab != target_vocab:
             raise ValueError(

@@ -72,7 +72,7 @@ class InProcessExecutor:
             torch.set_num_threads(step_threads.large)  # loading and warm-up
         self.step_threads = step_threads
         torch.manual_seed(seed)
-        loaded = load_model(model, dtype=dtype, device=self.device)
+        loaded = load_model(model, dtype=dtype, device=self.device, pack_weights=True)
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit

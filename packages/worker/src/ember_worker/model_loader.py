@@ -89,11 +89,15 @@ def load_model(
     tp: TensorParallelGroup = SINGLE_RANK,
     pp: PipelineStage = SINGLE_STAGE,
     revision: str | None = None,
+    pack_weights: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
 
     Under tensor or pipeline parallelism each rank builds only its shards and stage, and copies
-    each checkpoint tensor's slice into them as it is read (tensors of other stages are skipped)."""
+    each checkpoint tensor's slice into them as it is read (tensors of other stages are skipped).
+    ``pack_weights`` then packs the linear weights for oneDNN where it can (float32 on the CPU;
+    ``DecoderForCausalLM.pack_linear_weights``), as the engine does; off, every weight stays a
+    plain tensor."""
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
     config = DecoderConfig.from_hf_config(hf_config)
@@ -103,4 +107,6 @@ def load_model(
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
     decoder.load_weights(iterate_weights(safetensors_files(path), keep=decoder.holds_tensor))
     decoder.eval()
+    if pack_weights:
+        decoder.pack_linear_weights()
     return LoadedModel(decoder, config, hf_config, torch_dtype, path)

@@ -2,6 +2,7 @@
 // and with the same kernels and matmuls, so the two give the same numbers.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kernels.h"
 
@@ -13,15 +14,28 @@ namespace {
 
 at::Tensor held(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
-// y = x W^T (+ b), with the bias inside the matmul (column-parallel projections).
+// y = x W^T (+ b), with the bias inside the matmul (column-parallel projections). A weight
+// packed for oneDNN (ember_kernels.packed_linear) goes through the operation its ``linear``
+// calls, a plain one through at::linear, as in the per-operation path.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (weight.is_mkldnn()) {
+    static const auto packed =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, c10::string_view,
+                              c10::List<std::optional<at::Scalar>>,
+                              std::optional<c10::string_view>)>();
+    return packed.call(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                       "none", c10::List<std::optional<at::Scalar>>(), "");
+  }
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
 
 // y = x W^T, then + b (row-parallel projections add their bias after the partial sums).
 at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias) {
-  at::Tensor y = at::linear(x, weight);
+  at::Tensor y = linear(x, weight, at::Tensor());
   return bias.defined() ? y + bias : y;
 }
 

@@ -85,7 +85,12 @@ class Worker:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.loaded = load_model(
-            config.model, dtype=config.dtype, device=device, tp=groups.tp, pp=groups.pp
+            config.model,
+            dtype=config.dtype,
+            device=device,
+            tp=groups.tp,
+            pp=groups.pp,
+            pack_weights=True,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember_kernels.packed_linear import linear
 from ember_worker.layers.linear import empty_weight
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 
@@ -67,5 +68,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         return empty_weight(rows, dim, dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden_states, self.weight))
+        logits = self.tp.all_gather(linear(hidden_states, self.weight))
         return logits[..., : self.num_embeddings]

@@ -17,9 +17,11 @@ import ember_kernels as ek
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.layers.attention import AttentionMetadata, PagedAttention
 from ember_worker.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    pack_weight,
 )
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -275,6 +277,16 @@ class DecoderForCausalLM(nn.Module):
         self.shares_embedding = config.tie_word_embeddings and pp.is_first and pp.is_last
         if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_linear_weights(self) -> None:
+        """Pack the projections' weights, and an untied LM head's, for oneDNN's CPU matmul where
+        they can be (``layers.linear.pack_weight``): 1.2-2.3x faster matmuls on a 2-core Zen 4
+        than torch's default. After loading, since the plain weights are let go."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                pack_weight(module)
+        if self.lm_head is not None and not self.shares_embedding:
+            pack_weight(self.lm_head)
 
     @property
     def local_layers(self) -> range:

@@ -1,0 +1,75 @@
+"""Linear layers on oneDNN-packed weights (``packed_linear``) against torch's ``F.linear``.
+
+A decoder's projections in float32, shaped for the peer benchmark's tiny Llama (hidden 256,
+intermediate 512) and its wide one (hidden 512, intermediate 1536), vocabulary 8192, at 1, 8, 64,
+512 and 2,048 tokens: the fused q/k/v, the output projection, gate/up, down and the LM head.
+The baseline is ``F.linear`` on the weight as the worker keeps it (input-major), what the engine
+ran before and what transformers runs; the two are timed interleaved in one run, with torch's
+threads as the engine sets them (every core), as wall time per call. Prints GFLOP/s of each and
+the ratio (above 1: packed faster).
+
+    python3 packages/attention-kernels/benchmarks/bench_packed_linear.py [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ember_kernels.packed_linear import linear, pack_linear_weight
+
+MODELS = {"tiny": (256, 4, 2, 512), "wide": (512, 8, 2, 1536)}  # hidden, heads, kv heads, inter
+HEAD, VOCAB = 64, 8192
+TOKENS = (1, 8, 64, 512, 2048)
+
+
+def projections(hidden: int, heads: int, kv_heads: int, inter: int) -> dict[str, tuple[int, int]]:
+    """name -> (in_features, out_features)."""
+    return {
+        "qkv": (hidden, (heads + 2 * kv_heads) * HEAD),
+        "o_proj": (heads * HEAD, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+        "lm_head": (hidden, VOCAB),
+    }
+
+
+def per_call_ms(fn, x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
+    """Best of three runs of ``repeats`` calls of ``fn(x, weight)``, per call."""
+    best = float("inf")
+    for _ in range(3):
+        fn(x, weight)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn(x, weight)
+        best = min(best, (time.perf_counter() - start) / repeats * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch threads {torch.get_num_threads()}; GFLOP/s torch / packed, ratio")
+    for model, shape in MODELS.items():
+        print(f"\n{model}: " + " ".join(f"{t:>22}" for t in TOKENS))
+        for name, (n_in, n_out) in projections(*shape).items():
+            weight = torch.randn(n_in, n_out, generator=gen).t()  # input-major, as the worker
+            packed = pack_linear_weight(weight)
+            cells = []
+            for tokens in TOKENS:
+                x = torch.randn(tokens, n_in, generator=gen)
+                repeats = max(3, args.repeats * 64 // max(tokens, 64))
+                plain = per_call_ms(F.linear, x, weight, repeats)
+                fast = per_call_ms(linear, x, packed, repeats)
+                gflop = 2 * tokens * n_in * n_out / 1e6
+                cells.append(f"{gflop / plain:5.0f} / {gflop / fast:4.0f} {plain / fast:5.2f}x")
+            print(f"{name:8} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

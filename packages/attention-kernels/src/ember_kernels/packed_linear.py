@@ -1,0 +1,44 @@
+"""Linear layers on weights packed once for oneDNN's CPU matmul.
+
+``y = x W^T + b`` through torch's default CPU GEMM (MKL) ran at 86-190 GFLOP/s on a 2-core AMD
+EPYC (Zen 4) for a decoder's shapes; oneDNN, on a weight reordered once into its blocked layout,
+at 169-219 (1.2-2.3x; ``benchmarks/bench_packed_linear.py``). vLLM's CPU backend packs its
+weights for oneDNN the same way. ``pack_linear_weight`` returns an opaque oneDNN tensor that
+replaces the plain weight (no second copy); ``linear`` takes either kind, and the compiled
+decoder stack (``cpu_ops.decoder_stack``) calls the same oneDNN operation on packed weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def can_pack_linear_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight [out, in]`` can be packed here: float32 on the CPU, torch built with
+    oneDNN (not already packed)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` reordered into oneDNN's blocked layout, for ``linear``; ValueError
+    where ``can_pack_linear_weight`` says no."""
+    if not can_pack_linear_weight(weight):
+        raise ValueError(
+            f"weight: cannot pack a {weight.dtype} {tuple(weight.shape)} tensor on "
+            f"{weight.device} for oneDNN (float32 [out, in] CPU tensors, torch with oneDNN)"
+        )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for a plain weight or one from ``pack_linear_weight``."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

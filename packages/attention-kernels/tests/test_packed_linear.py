@@ -1,0 +1,42 @@
+"""Linear layers on oneDNN-packed weights against torch's own linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ek_inputs import fresh_generator
+
+from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 160), (256, 8192), (160, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_torch(tokens, in_features, out_features, bias):
+    gen, seed = fresh_generator()
+    weight = torch.randn(in_features, out_features, generator=gen).t()  # input-major, as kept
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(tokens, in_features, generator=gen)
+    packed = pack_linear_weight(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    got = linear(x, packed, b)
+    assert got.dtype == torch.float32 and got.shape == (tokens, out_features)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4, msg=f"seed {seed}")
+    assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))  # plain weights: torch's
+    view = torch.randn(tokens, 2 * in_features, generator=gen)[:, :in_features]
+    assert torch.equal(linear(view, packed, b), linear(view.contiguous(), packed, b))
+
+
+def test_only_float32_cpu_matrices_are_packed():
+    weight = torch.randn(8, 4)
+    assert can_pack_linear_weight(weight)
+    for other in (weight.bfloat16(), weight[0], pack_linear_weight(weight)):
+        assert not can_pack_linear_weight(other)
+    with pytest.raises(ValueError, match=r"weight: cannot pack a torch\.bfloat16 \(8, 4\)"):
+        pack_linear_weight(weight.bfloat16())
