@@ -170,21 +170,35 @@ class MultiprocExecutor:
             )
         self._in_flight.popleft().output = output
 
-    def _check_alive(self, when: str) -> None:
+    def _check_alive(self, when: str, reported: set[int] | None = None) -> None:
+        """WorkerFailedError naming a rank that exited, unless it is in ``reported`` (ranks that
+        reported their own failure: their exit follows it) or its report is waiting."""
         for rank, process in enumerate(self.processes):
             code = process.poll()
-            if code is not None:
+            if code is not None and reported is not None:
+                self._note_reports(reported, _POLL_MS)
+            if code is not None and rank not in (reported or ()):
                 self._failed = True
                 raise WorkerFailedError(
                     f"worker rank {rank} (pid {process.pid}) exited with code {code} {when}"
                 )
 
+    def _note_reports(self, reported: set[int], wait_ms: int = 0) -> None:
+        """Add to ``reported`` the ranks whose failure reports are waiting on the results."""
+        while self._results.poll(wait_ms):
+            kind, rank, _ = self._results.recv_multipart()
+            if kind not in (proto.OUTPUT, proto.READY):
+                reported.add(int(rank))
+            wait_ms = 0
+
     def _raise_failed(self, kind: bytes, rank: bytes, payload: bytes, when: str) -> None:
         self._failed = True
         # A rank whose peer died fails in its collective; report the dead peer, the cause.
+        reported = {int(rank)}
         deadline = time.monotonic() + _DEATH_NOTICE_S
         while time.monotonic() < deadline:
-            self._check_alive(when)
+            self._note_reports(reported)
+            self._check_alive(when, reported)
             time.sleep(_POLL_MS / 1000)
         detail = payload.decode(errors="replace").rstrip()
         last = detail.splitlines()[-1] if detail else kind.decode(errors="replace")
