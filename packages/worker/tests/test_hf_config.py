@@ -143,3 +143,25 @@ def test_bad_folders_get_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LM"]}')
     with pytest.raises(ValueError, match=r"model type 'gpt2' \(architectures \['GPT2LM'\]\) is"):
         load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("config_only", [False, True])
+def test_the_api_server_asks_the_hub_for_the_json_files_alone(tmp_path, monkeypatch, config_only):
+    """The engine fetches the weights; the API server reading the config must not fetch them."""
+    import huggingface_hub
+
+    from ember_worker.hf_config import resolve_model_path
+
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False):
+        asked.append(allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model_path("some-org/some-model", config_only=config_only) == tmp_path
+    (patterns,) = asked
+    if config_only:
+        assert patterns and all(p.endswith(".json") for p in patterns)
+    else:
+        assert "*.safetensors" in patterns

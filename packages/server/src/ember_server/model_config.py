@@ -43,7 +43,7 @@ class ModelConfig:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> ModelConfig:
         try:
-            folder = resolve_model_path(args.model)
+            folder = resolve_model_path(args.model, config_only=True)
             hf_config = load_hf_config(folder)
         except OSError as exc:
             raise ValueError(

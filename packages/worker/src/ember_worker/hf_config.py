@@ -17,6 +17,7 @@ import types
 from typing import Any
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+_CONFIG_FILES = ["*.json"]
 
 _LLAMA_SHAPE = dict(
     vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -52,18 +53,25 @@ class HFConfig(types.SimpleNamespace):
 
 
 def resolve_model_path(
-    model: str | os.PathLike, *, revision: str | None = None, local_files_only: bool = False
+    model: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    config_only: bool = False,
 ) -> pathlib.Path:
     """A local folder as is; otherwise a Hugging Face hub repo id, resolved by ``huggingface_hub``
-    (its local cache first). Raises OSError naming the model when neither works."""
+    (its local cache first): the whole model, or with ``config_only`` its JSON files alone (the
+    API server's need, beside the engine fetching the weights). Raises OSError naming the model
+    when neither works."""
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
+    patterns = _CONFIG_FILES if config_only else _HUB_FILES
     try:
         folder = snapshot_download(
-            str(model), revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
+            str(model), revision=revision, allow_patterns=patterns, local_files_only=True
         )
     except Exception as cached_error:
         if local_files_only:
@@ -72,7 +80,7 @@ def resolve_model_path(
                 f"({type(cached_error).__name__}: {cached_error})"
             ) from cached_error
         try:
-            folder = snapshot_download(str(model), revision=revision, allow_patterns=_HUB_FILES)
+            folder = snapshot_download(str(model), revision=revision, allow_patterns=patterns)
         except Exception as error:
             raise OSError(
                 f"model {str(model)!r} is not a local folder and could not be fetched from the "
