@@ -61,9 +61,11 @@ def _start_streams(base_url: str, count: int, max_tokens: int) -> list[_Stream]:
 
 
 def _refuses_connections(base_url: str) -> bool:
+    """Whether a new request goes unserved: refused, or (taken from the accept backlog as the
+    listener closed) closed without a response."""
     try:
         httpx.get(f"{base_url}/health", timeout=5)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
