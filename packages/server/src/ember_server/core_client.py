@@ -2,8 +2,8 @@
 
 ``AsyncMPClient.launch`` binds a ROUTER (requests out) and a PULL (outputs in) on IPC sockets in a
 private temp folder and starts ``python -m ember_server.core_process``; ``wait_ready`` waits for
-its READY (or FAILED, or its exit). A thread waits on the process; the moment it exits the client calls
-``on_engine_dead`` in the event loop, so nobody waits on a dead engine.
+its READY (or FAILED, or its exit). A thread waits on the process; the moment it exits the client
+calls ``on_engine_dead`` in the event loop, so nobody waits on a dead engine.
 """
 
 from __future__ import annotations
@@ -121,9 +121,7 @@ class AsyncMPClient:
         try:
             await self._handshake(on_engine_dead, startup_timeout)
         except BaseException:
-            self._shutting_down = True
-            await asyncio.to_thread(self._stop_process, 0.0)
-            self._close()
+            await asyncio.to_thread(self.abandon)
             raise
 
     async def _handshake(self, on_engine_dead, startup_timeout: float) -> None:
@@ -234,8 +232,7 @@ class AsyncMPClient:
             process.wait()
 
     def abandon(self) -> None:
-        """Stop a launched engine at once and close, outside any event loop (the front end
-        failed before waiting for it)."""
+        """Stop the engine at once and close (a start-up that failed or was stopped)."""
         self._shutting_down = True
         self._stop_process(0.0)
         self._close()

@@ -14,7 +14,8 @@ def load_tokenizer(path: str):
     (remembered from an earlier start where the folder is unchanged: see
     ``tokenizer_class_cache``)."""
     folder = pathlib.Path(path).expanduser()
-    cls = cached_tokenizer_class(folder) if folder.is_dir() else None
+    is_folder = folder.is_dir()  # a hub id goes to AutoTokenizer each time
+    cls = cached_tokenizer_class(folder) if is_folder else None
     try:
         if cls is not None:
             tokenizer = cls.from_pretrained(path)
@@ -22,7 +23,7 @@ def load_tokenizer(path: str):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
-            if folder.is_dir():
+            if is_folder:
                 remember_tokenizer_class(folder, type(tokenizer))
     except (OSError, ValueError) as exc:
         raise ValueError(f"EngineArgs.tokenizer {path!r} holds no usable tokenizer: {exc}") from exc

@@ -252,9 +252,6 @@ async def run_server(
         listener.close()
         if engine is not None:
             await engine.shutdown()
-        else:  # start-up failed or was stopped: any engine it had not stopped yet stops now
-            for client in engines:
-                await client.shutdown(timeout=0.0)
 
 
 async def _drain(engine, sig: signal.Signals, signals: asyncio.Queue, timeout: float) -> None:

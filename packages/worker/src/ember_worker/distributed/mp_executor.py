@@ -175,13 +175,16 @@ class MultiprocExecutor:
         reported their own failure: their exit follows it) or its report is waiting."""
         for rank, process in enumerate(self.processes):
             code = process.poll()
-            if code is not None and reported is not None:
-                self._note_reports(reported, _POLL_MS)
-            if code is not None and rank not in (reported or ()):
-                self._failed = True
-                raise WorkerFailedError(
-                    f"worker rank {rank} (pid {process.pid}) exited with code {code} {when}"
-                )
+            if code is None or (reported is not None and rank in reported):
+                continue
+            if reported is not None:
+                self._note_reports(reported, _POLL_MS)  # its report may still be on its way
+                if rank in reported:
+                    continue
+            self._failed = True
+            raise WorkerFailedError(
+                f"worker rank {rank} (pid {process.pid}) exited with code {code} {when}"
+            )
 
     def _note_reports(self, reported: set[int], wait_ms: int = 0) -> None:
         """Add to ``reported`` the ranks whose failure reports are waiting on the results."""

@@ -93,22 +93,15 @@ class DecoderConfig:
 
 
 def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
-    """(rope_theta, rope_scaling, partial_rotary_factor) from either transformers 5's
-    ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling`` fields."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(getattr(hf_config, "rope_theta", 10000.0))
-        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    partial = float(
-        scaling.pop("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    )
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    """(rope_theta, rope_scaling, partial_rotary_factor) from transformers 5's standardized
+    ``rope_parameters`` (as ``hf_config.load_hf_config`` builds it from the older ``rope_theta``
+    and ``rope_scaling`` fields too)."""
+    scaling = dict(hf_config.rope_parameters)
+    theta = float(scaling.pop("rope_theta"))
+    partial = float(scaling.pop("partial_rotary_factor", 1.0))
+    if scaling["rope_type"] == "default":
         return theta, None, partial
-    return theta, {**scaling, "rope_type": rope_type}, partial
+    return theta, scaling, partial
 
 
 def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
