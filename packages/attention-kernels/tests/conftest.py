@@ -1,5 +1,9 @@
-"""Run Triton kernels on CPU tensors through the interpreter; set before triton is imported."""
+"""Triton kernels run compiled on a CUDA GPU where there is one, else through the interpreter on
+CPU tensors; the interpreter must be chosen before triton is imported."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

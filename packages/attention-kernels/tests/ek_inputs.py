@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ember_kernels import cpu_ops
+from ember_kernels import cpu_ops, triton_ops
 
 # The compiled CPU kernels as a test backend (built once per CPU and cached; skipped without a
 # compiler, where the torch path serves).
@@ -18,6 +19,52 @@ COMPILED = pytest.param(
     id="compiled",
     marks=pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here"),
 )
+
+# Where the Triton kernels run: compiled on a GPU when there is one, else the interpreter on CPU.
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class OnDevice:
+    """A kernel module whose functions take CPU tensors and run on ``device``: each tensor argument
+    is copied there, the call made, every argument copied back into its CPU tensor (kernels write
+    ``out=`` and caches in place), and results that are an argument's copy returned as that
+    argument (``result is out`` holds), others moved to the CPU."""
+
+    def __init__(self, module, device: torch.device) -> None:
+        self._module, self._device = module, device
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def to_device(value):
+                if not isinstance(value, torch.Tensor):
+                    return value
+                copy = value.to(self._device)
+                moved[id(copy)] = (value, copy)
+                return copy
+
+            result = fn(*map(to_device, args), **{k: to_device(v) for k, v in kwargs.items()})
+            for original, copy in moved.values():
+                original.copy_(copy)
+
+            def back(value):
+                if isinstance(value, tuple):
+                    return tuple(back(v) for v in value)
+                if isinstance(value, torch.Tensor):
+                    return moved[id(value)][0] if id(value) in moved else value.cpu()
+                return value
+
+            return back(result)
+
+        return call
+
+
+# The Triton backend as the tests call it: with CPU tensors, on ``TRITON_DEVICE``.
+TRITON = triton_ops if TRITON_DEVICE.type == "cpu" else OnDevice(triton_ops, TRITON_DEVICE)
 
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ek_inputs import COMPILED, TOLERANCES, fresh_generator
+from ek_inputs import COMPILED, TOLERANCES, TRITON, fresh_generator
 
 import ember_kernels as ek
-from ember_kernels import cpu_ops, torch_ops, triton_ops
+from ember_kernels import cpu_ops, torch_ops
 from ember_kernels.cpu_ops import build
 from ember_kernels.reference import (
     reshape_and_cache_reference,
@@ -18,7 +18,7 @@ from ember_kernels.reference import (
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS = [
     pytest.param(torch_ops, id="torch"),
-    pytest.param(triton_ops, id="triton"),
+    pytest.param(TRITON, id="triton"),
     COMPILED,
 ]
 

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 import torch
-from ek_inputs import COMPILED, TOLERANCES, random_paged_batch
+from ek_inputs import COMPILED, TOLERANCES, TRITON, random_paged_batch
 
 import ember_kernels as ek
-from ember_kernels import cpu_ops, torch_ops, triton_ops
+from ember_kernels import cpu_ops, torch_ops
 from ember_kernels.cpu_ops import build
 from ember_kernels.reference import paged_attention_reference
 
@@ -125,7 +125,7 @@ TRITON_CASES = [
 )
 def test_triton_kernel_mixed_batch(head_size, dtype, block_size, group, window, soft_cap):
     check(
-        triton_ops,
+        TRITON,
         mixed_lengths(block_size, 260),
         group=group,
         head_size=head_size,
@@ -140,7 +140,7 @@ def test_triton_kernel_mixed_batch(head_size, dtype, block_size, group, window, 
 def test_triton_split_kv_decode(num_kv_splits, window):
     """Forced KV splits, including splits left empty by short sequences or the window."""
     check(
-        triton_ops,
+        TRITON,
         [(1, 1), (1, 15), (1, 33), (1, 290), (1, 150)],
         group=4,
         head_size=64,
@@ -154,7 +154,7 @@ def test_triton_split_kv_decode(num_kv_splits, window):
 
 def test_triton_split_kv_mixed_batch():
     check(
-        triton_ops,
+        TRITON,
         mixed_lengths(16, 140),
         group=2,
         head_size=80,
@@ -174,7 +174,7 @@ def test_triton_kernel_full_sweep(head_size, block_size, dtype):
         window, soft_cap = WINDOW_AND_CAP[i]
         for splits in (1, 4):
             check(
-                triton_ops,
+                TRITON,
                 mixed_lengths(block_size, 300),
                 group=group,
                 head_size=head_size,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ek_inputs import COMPILED, fresh_generator
+from ek_inputs import COMPILED, TRITON, fresh_generator
 
 import ember_kernels as ek
-from ember_kernels import torch_ops, triton_ops
+from ember_kernels import torch_ops
 from ember_kernels.reference import rope_inv_freq_reference, rotary_embedding_reference
 
 LLAMA3 = dict(
@@ -20,7 +20,7 @@ LLAMA3 = dict(
 SCALINGS = {"none": None, "linear": dict(type="linear", factor=4.0), "llama3": LLAMA3}
 BACKENDS = [
     pytest.param(torch_ops, id="torch"),
-    pytest.param(triton_ops, id="triton"),
+    pytest.param(TRITON, id="triton"),
     COMPILED,
 ]
 MAX_POSITION = 2048
