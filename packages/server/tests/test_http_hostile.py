@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_thread import ServerThread
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 TIMEOUT = 60
 BODY_LIMIT = 1024**2

@@ -12,7 +12,7 @@ import pytest
 from server_thread import ServerThread
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.protocol import ChatCompletionRequest
 from ember_server.openai.tool_calls import (
     HermesToolParser,

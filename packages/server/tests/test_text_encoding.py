@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ember_server.text_encoding import TextEncoder, max_chars_per_token
+from ember_server.engine.text_encoding import TextEncoder, max_chars_per_token
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import sys
 
 from transformers import AutoTokenizer
 
-from ember_server.tokenizer import load_tokenizer, render_chat
-from ember_server.tokenizer_class_cache import cache_dir
+from ember_server.engine.tokenizer import load_tokenizer, render_chat
+from ember_server.engine.tokenizer_class_cache import cache_dir
 from ember_testing.tiny_models import ARCHITECTURES
 
 TEXT = "Hello <|im_start|> wörld, 12345!\n  <|eos|>"
@@ -21,9 +21,9 @@ MESSAGES = [{"role": "user", "content": "Hi there"}]
 # it got; with --no-torch it fails if torch was imported.
 _LOAD = """
 import json, sys
-from ember_server.engine_args import EngineArgs
-from ember_server.model_config import ModelConfig
-from ember_server.tokenizer import load_tokenizer, render_chat
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.tokenizer import load_tokenizer, render_chat
 got = {}
 for path in sys.argv[1:-1]:
     ModelConfig.from_engine_args(EngineArgs(model=path))

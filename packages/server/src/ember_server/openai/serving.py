@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.core_client import EngineDeadError
+from ember_server.engine.core_client import EngineDeadError
+from ember_server.engine.outputs import RequestOutput
 from ember_server.openai.errors import OpenAIError, from_value_error
 from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
 from ember_server.openai.streams import StartedStream
-from ember_server.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.errors import OpenAIError, error_body
 from ember_server.openai.logprobs import chat_logprobs
 from ember_server.openai.protocol import (
@@ -33,7 +34,6 @@ from ember_server.openai.tool_calls import (
     RequiredCallStream,
     forced_tool_call,
 )
-from ember_server.outputs import CompletionOutput, RequestOutput
 
 ROLE = "assistant"
 

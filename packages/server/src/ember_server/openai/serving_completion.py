@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine.outputs import RequestOutput
 from ember_server.openai.errors import OpenAIError, error_body
 from ember_server.openai.logprobs import completion_logprobs
 from ember_server.openai.protocol import (
@@ -24,7 +25,6 @@ from ember_server.openai.protocol import (
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, sse_event, text_choice
 from ember_server.openai.streams import ClientDisconnected, merge_async_iterators, until_disconnect
-from ember_server.outputs import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 

@@ -12,6 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ember_scheduler.pooling_params import PoolingParams
+from ember_server.engine.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.scoring import pair_up, score_mode, scores_from_outputs, scoring_inputs
 from ember_server.openai.errors import OpenAIError, from_value_error
 from ember_server.openai.protocol import UsageInfo, random_id
 from ember_server.openai.protocol_pooling import (
@@ -33,8 +35,6 @@ from ember_server.openai.protocol_pooling import (
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.streams import ClientDisconnected, until_disconnect
-from ember_server.pooling_outputs import PoolingRequestOutput
-from ember_server.scoring import pair_up, score_mode, scores_from_outputs, scoring_inputs
 
 
 class OpenAIServingPooling(OpenAIServing):

@@ -16,7 +16,7 @@ import numpy as np
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from ember_server.model_config import ModelConfig
+from ember_server.engine.model_config import ModelConfig
 
 PromptType = str | Sequence[int]
 # What a pooling request carries for sampling: never used (it samples nothing), and greedy so that

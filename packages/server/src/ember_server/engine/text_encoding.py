@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from ember_server.detokenizer import backend_tokenizer
+from ember_server.engine.detokenizer import backend_tokenizer
 
 # How many code points a normalizer may turn into one (None: any number, e.g. by deleting).
 _NORMALIZER_SHRINK = {"NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Lowercase": 1, "Prepend": 1}

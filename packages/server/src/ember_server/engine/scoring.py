@@ -12,8 +12,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ember_scheduler.pooling_params import PoolingParams
-from ember_server.model_config import ModelConfig
-from ember_server.pooling_outputs import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.pooling_outputs import (
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 CROSS_ENCODER, EMBEDDING = "cross-encoder", "embedding"
 

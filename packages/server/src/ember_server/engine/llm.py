@@ -9,21 +9,21 @@ from tqdm.auto import tqdm
 
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine_args import EngineArgs
-from ember_server.engine_factory import make_engine_core
-from ember_server.input_processor import InputProcessor
-from ember_server.metrics import EngineMetrics, IterationStats
-from ember_server.model_config import ModelConfig
-from ember_server.output_processor import OutputProcessor
-from ember_server.outputs import RequestOutput, RequestOutputKind
-from ember_server.pooling_outputs import (
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.engine_factory import make_engine_core
+from ember_server.engine.input_processor import InputProcessor
+from ember_server.engine.metrics import EngineMetrics, IterationStats
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.output_processor import OutputProcessor
+from ember_server.engine.outputs import RequestOutput, RequestOutputKind
+from ember_server.engine.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
 )
-from ember_server.scoring import score_pairs
-from ember_server.text_encoding import TextEncoder
-from ember_server.tokenizer import load_tokenizer, render_chat
+from ember_server.engine.scoring import score_pairs
+from ember_server.engine.text_encoding import TextEncoder
+from ember_server.engine.tokenizer import load_tokenizer, render_chat
 
 
 class LLM:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-from ember_server.detokenizer import backend_tokenizer
-from ember_server.tokenizer_class_cache import cached_tokenizer_class, remember_tokenizer_class
+from ember_server.engine.detokenizer import backend_tokenizer
+from ember_server.engine.tokenizer_class_cache import (
+    cached_tokenizer_class,
+    remember_tokenizer_class,
+)
 
 
 def load_tokenizer(path: str):

@@ -13,18 +13,18 @@ from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.core_client import AsyncMPClient, EngineDeadError, launch_engines
-from ember_server.data_parallel import DataParallelRouter
-from ember_server.engine_args import EngineArgs
-from ember_server.input_processor import InputProcessor, PromptType
-from ember_server.metrics import EngineMetrics, IterationStats
-from ember_server.model_config import ModelConfig
-from ember_server.output_collector import RequestOutputCollector
-from ember_server.output_processor import OutputProcessor
-from ember_server.outputs import RequestOutput, RequestOutputKind
-from ember_server.pooling_outputs import PoolingRequestOutput
-from ember_server.text_encoding import TextEncoder
-from ember_server.tokenizer import load_tokenizer
+from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, launch_engines
+from ember_server.engine.data_parallel import DataParallelRouter
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.input_processor import InputProcessor, PromptType
+from ember_server.engine.metrics import EngineMetrics, IterationStats
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.output_collector import RequestOutputCollector
+from ember_server.engine.output_processor import OutputProcessor
+from ember_server.engine.outputs import RequestOutput, RequestOutputKind
+from ember_server.engine.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.text_encoding import TextEncoder
+from ember_server.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
