@@ -31,22 +31,21 @@ from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import install_error_handlers
 from ember_server.openai.json_route import MsgspecJSONRoute
-from ember_server.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeChatRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from ember_server.openai.protocol import ModelCard, ModelList
+from ember_server.openai.protocol_chat import ChatCompletionRequest
+from ember_server.openai.protocol_completion import CompletionRequest
 from ember_server.openai.protocol_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+)
+from ember_server.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.serving_chat import OpenAIServingChat

@@ -12,7 +12,9 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.core_client import EngineDeadError
 from ember_server.engine.outputs import RequestOutput
 from ember_server.openai.errors import OpenAIError, from_value_error
-from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
+from ember_server.openai.protocol import OpenAIRequest
+from ember_server.openai.protocol_chat import ChatCompletionRequest
+from ember_server.openai.protocol_tokenize import TokenizeChatRequest
 from ember_server.openai.streams import StartedStream
 
 logger = logging.getLogger(__name__)

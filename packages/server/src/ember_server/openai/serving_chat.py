@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.errors import OpenAIError, error_body
 from ember_server.openai.logprobs import chat_logprobs
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol import UsageInfo, random_id
+from ember_server.openai.protocol_chat import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -20,8 +21,6 @@ from ember_server.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
-    random_id,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, content_choice, sse_event

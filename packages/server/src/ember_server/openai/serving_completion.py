@@ -13,14 +13,13 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.outputs import RequestOutput
 from ember_server.openai.errors import OpenAIError, error_body
 from ember_server.openai.logprobs import completion_logprobs
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol import UsageInfo, random_id
+from ember_server.openai.protocol_completion import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
-    random_id,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, sse_event, text_choice
