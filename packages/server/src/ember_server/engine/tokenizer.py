@@ -1,9 +1,8 @@
-"""Loading the model's tokenizer and rendering chat conversations through its template."""
+"""Loading the model's tokenizer (chat rendering and tokenization: ``text_encoding``)."""
 
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
 
 from ember_server.engine.detokenizer import backend_tokenizer
 from ember_server.engine.tokenizer_class_cache import (
@@ -32,32 +31,3 @@ def load_tokenizer(path: str):
         raise ValueError(f"EngineArgs.tokenizer {path!r} holds no usable tokenizer: {exc}") from exc
     backend_tokenizer(tokenizer)  # fail now, not at the first request
     return tokenizer
-
-
-def render_chat(
-    tokenizer,
-    messages: Sequence[dict],
-    *,
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    **template_kwargs,
-) -> str:
-    """The prompt text of a conversation (``[{"role": ..., "content": ...}, ...]``).
-
-    The text already holds the template's special tokens (such as BOS): tokenize it with
-    ``add_special_tokens=False``.
-    """
-    if not messages:
-        raise ValueError("messages must hold at least one message")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-    if chat_template is None and tokenizer.chat_template is None:
-        raise ValueError("the tokenizer has no chat template; pass chat_template")
-    return tokenizer.apply_chat_template(
-        list(messages),
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **template_kwargs,
-    )

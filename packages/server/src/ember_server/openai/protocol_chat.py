@@ -17,7 +17,7 @@ from ember_server.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from ember_server.openai.protocol_sampling import SamplingFields, _checked_spec
+from ember_server.openai.protocol_sampling import SamplingFields
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -134,9 +134,7 @@ class ChatCompletionRequest(SamplingFields):
                 "tool_choice required or a named function excludes response_format and "
                 "structured_outputs"
             )
-        self._structured_outputs = _checked_spec(
-            "tools", json=self.tool_call_schema(), disable_any_whitespace=True
-        )
+        self.constrain("tools", json=self.tool_call_schema(), disable_any_whitespace=True)
         return self
 
     @property

@@ -56,16 +56,14 @@ class StructuredOutputsField(OpenAIRequest):
     disable_any_whitespace: bool = False
 
 
-def _checked_spec(field: str, **spec) -> StructuredOutputsParams:
-    """The spec, checked to compile now; a ValueError starting with ``field`` when it does not."""
-    from ember_worker.structured_outputs import check_structured_outputs
-
+def structured_spec(field: str, **spec) -> StructuredOutputsParams:
+    """The spec from request ``field``; a ValueError starting with ``field`` when it is not one
+    (exactly one kind, of the right type). Whether it parses as a grammar is the input
+    processor's check, when the request is made; the route names ``field`` in that error too."""
     try:
-        params = StructuredOutputsParams(**spec)
-        check_structured_outputs(params)
+        return StructuredOutputsParams(**spec)
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
-    return params
 
 
 class SamplingFields(OpenAIRequest):
@@ -97,6 +95,8 @@ class SamplingFields(OpenAIRequest):
     structured_outputs: StructuredOutputsField | None = None
     # What the output must match, from the fields above (or a chat request's forced tool call).
     _structured_outputs: StructuredOutputsParams | None = PrivateAttr(default=None)
+    # The request field it came from: response_format, structured_outputs or tools.
+    _structured_field: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_structured_outputs(self):
@@ -106,13 +106,23 @@ class SamplingFields(OpenAIRequest):
             raise ValueError("response_format and structured_outputs exclude each other")
         if self.structured_outputs is not None:
             spec = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-            self._structured_outputs = _checked_spec("structured_outputs", **spec)
+            self.constrain("structured_outputs", **spec)
         elif constrained and fmt.type == "json_object":
-            self._structured_outputs = _checked_spec("response_format", json_object=True)
+            self.constrain("response_format", json_object=True)
         elif constrained:
             schema = fmt.json_schema.schema_ or {"type": "object"}
-            self._structured_outputs = _checked_spec("response_format", json=schema)
+            self.constrain("response_format", json=schema)
         return self
+
+    def constrain(self, field: str, **spec) -> None:
+        """Make the output match ``spec``, which request ``field`` asked for."""
+        self._structured_outputs = structured_spec(field, **spec)
+        self._structured_field = field
+
+    @property
+    def structured_field(self) -> str | None:
+        """The request field the output's structure came from, if any."""
+        return self._structured_field
 
     @model_validator(mode="after")
     def _check_unsupported(self):

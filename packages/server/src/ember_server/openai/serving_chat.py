@@ -64,16 +64,18 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "tool_choice",
             )
-        token_ids = await self.encode_chat(request)
-        if not token_ids:
-            raise OpenAIError("messages render to an empty prompt", 400, "messages")
-        max_tokens = self.max_tokens_for(request.requested_max_tokens, len(token_ids), None)
+        prompt = await self.chat_prompt(request)
+        num_prompt_tokens = len(prompt.token_ids)
+        max_tokens = self.max_tokens_for(request.requested_max_tokens, num_prompt_tokens, None)
         params = self.sampling_params(request.to_sampling_params, max_tokens)
         request_id = random_id("chatcmpl")
-        outputs = self.generate(token_ids, params, request_id, request.priority, request.stream)
+        outputs = self.generate(
+            prompt, params, request_id, request.priority, request.stream, request.structured_field
+        )
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, len(token_ids), outputs), media_type=MEDIA_TYPE
+                self._stream(request, request_id, num_prompt_tokens, outputs),
+                media_type=MEDIA_TYPE,
             )
         try:
             final = await until_disconnect(self._last(outputs), raw_request)

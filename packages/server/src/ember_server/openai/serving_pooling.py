@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ember_scheduler.pooling_params import PoolingParams
+from ember_server.engine.input_processor import TokenizedPrompt
 from ember_server.engine.pooling_outputs import PoolingRequestOutput
 from ember_server.engine.scoring import pair_up, score_mode, scores_from_outputs, scoring_inputs
 from ember_server.openai.errors import OpenAIError, from_value_error
@@ -133,11 +134,10 @@ class OpenAIServingPooling(OpenAIServing):
         scored = scores_from_outputs(mode, outputs, [str(i) for i in range(len(pairs))])
         return [s.outputs.score for s in scored], outputs
 
-    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            return await self.encode(prompt, add_special_tokens)
-        self.check_token_ids(prompt, "input")
-        return list(prompt)
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> TokenizedPrompt:
+        # A text's errors have always named "prompt", token ids' "input".
+        field = "prompt" if isinstance(prompt, str) else "input"
+        return await self.prompt(prompt, add_special_tokens, field)
 
     @staticmethod
     def _params(**fields) -> PoolingParams:
@@ -149,7 +149,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def _pool(
         self,
         request_id: str,
-        prompts: list[list[int]],
+        prompts: list[TokenizedPrompt | list[int]],
         params: PoolingParams,
         priority: int,
         raw_request: Request,
