@@ -153,7 +153,7 @@ class LLM:
         cosine similarity of the two embeddings. Returns ``ScoringRequestOutput``s in pair order.
         """
         return score_pairs(
-            self.model_config, self.tokenizer, text_1, text_2,
+            self.model_config, self.input_processor.text_encoder, text_1, text_2,
             lambda prompts, params: self.encode(prompts, params, use_tqdm=use_tqdm),
         )  # fmt: skip
 

@@ -126,6 +126,10 @@ class TextEncoder:
         self.check_length(text, field)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as the tokenizer joins them (a cross-encoder's input)."""
+        return list(self.tokenizer(first, second).input_ids)
+
     def render_chat(
         self, messages: Sequence[dict], tools=None, client_kwargs: dict | None = None, **options
     ) -> str:

@@ -125,7 +125,7 @@ class OpenAIServingPooling(OpenAIServing):
         try:
             mode = score_mode(self.engine.model_config)
             pairs = pair_up(text_1, text_2)
-            prompts, params = scoring_inputs(mode, self.tokenizer, pairs)
+            prompts, params = scoring_inputs(mode, self.input_processor.text_encoder, pairs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if params.task == "embed":
