@@ -18,7 +18,7 @@ import pytest
 from ember_kv_cache import BlockHasher, LayoutFingerprint
 from ember_kv_cache.tier_entry import encode_entry
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.llm import LLM
+from ember_server.engine.llm import LLM
 
 CHUNK = 64
 BLOCK = 16  # the engine's default block size
@@ -57,7 +57,7 @@ def metric(llm: LLM, name: str, tier: str | None = None) -> float:
 _ENGINE_SCRIPT = """
 import json, sys
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.llm import LLM
+from ember_server.engine.llm import LLM
 model, config, token_ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23, **settings)

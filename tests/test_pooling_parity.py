@@ -23,7 +23,7 @@ from ember_scheduler import (
     SamplingParams,
     SchedulerConfig,
 )
-from ember_server.llm import LLM
+from ember_server.engine.llm import LLM
 from ember_testing.tiny_models import (
     ARCHITECTURES,
     CLASSIFIER_ARCHITECTURES,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ember import LLM, SamplingParams
-from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
+from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_testing.serve_process import child_pids, free_port, is_running
 
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
@@ -56,7 +56,7 @@ def served(tmp_path_factory):
 
 def test_console_script_is_declared():
     scripts = importlib.metadata.entry_points(group="console_scripts")
-    assert any(s.name == "ember" and s.value == "ember_server.cli:main" for s in scripts)
+    assert any(s.name == "ember" and s.value == "ember_server.cli.main:main" for s in scripts)
 
 
 def test_demo_model_is_announced_plainly(served):

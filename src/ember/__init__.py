@@ -3,10 +3,10 @@
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_scheduler.structured_outputs import StructuredOutputsParams
-from ember_server.engine_args import EngineArgs
-from ember_server.llm import LLM
-from ember_server.outputs import CompletionOutput, RequestOutput
-from ember_server.pooling_outputs import (
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.llm import LLM
+from ember_server.engine.outputs import CompletionOutput, RequestOutput
+from ember_server.engine.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,

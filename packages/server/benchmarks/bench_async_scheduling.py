@@ -24,10 +24,10 @@ import time
 from bench_serve import _free_port, _start_server, _stop  # same folder
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.bench import serve as bench_serve
-from ember_server.bench.common import random_prompts, write_json
-from ember_server.demo_model import DEMO_MODEL_CONFIG, LLAMA_CONFIG, random_model_path
-from ember_server.llm import LLM
+from ember_server.cli.bench import serve as bench_serve
+from ember_server.cli.bench.common import random_prompts, write_json
+from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, LLAMA_CONFIG, random_model_path
+from ember_server.engine.llm import LLM
 
 WIDE_CONFIG = dict(
     LLAMA_CONFIG,

@@ -23,8 +23,8 @@ import time
 
 import httpx
 
-from ember_server.bench import serve as bench_serve
-from ember_server.bench.common import random_prompts, write_json
+from ember_server.cli.bench import serve as bench_serve
+from ember_server.cli.bench.common import random_prompts, write_json
 
 ENGINE_FLAGS = {"max_model_len": 512, "max_num_seqs": 64, "num_threads": 1}
 

@@ -29,9 +29,9 @@ import time
 import httpx
 import numpy as np
 
-from ember_server.bench.common import FIRST_PLAIN_TOKEN_ID, PROMPT_VOCAB_BOUND, write_json
-from ember_server.demo_model import demo_model_path
-from ember_server.engine_factory import default_step_threads
+from ember_server.cli.bench.common import FIRST_PLAIN_TOKEN_ID, PROMPT_VOCAB_BOUND, write_json
+from ember_server.cli.demo_model import demo_model_path
+from ember_server.engine.engine_factory import default_step_threads
 
 REPEATS = 2
 CONCURRENCY = (1, 16, 64)
@@ -131,7 +131,7 @@ def main() -> int:
     import torch
     from transformers import AutoModel
 
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     threads = default_step_threads(served=False).large  # as LLM below
     torch.set_num_threads(threads)

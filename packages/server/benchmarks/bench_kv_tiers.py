@@ -46,7 +46,7 @@ def _config(*tiers: dict) -> dict:
 def child(model: str, config: dict | None, cases: list[str]) -> dict:
     """In a fresh process: warm up, then time each case; TTFT seconds and loaded bytes."""
     from ember_scheduler.sampling_params import SamplingParams
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 28, max_model_len=4096,
               max_num_batched_tokens=4096)  # fmt: skip
@@ -123,7 +123,7 @@ def main() -> None:
         print(json.dumps(child(spec["model"], spec["config"], spec["cases"])))
         return
 
-    from ember_server.demo_model import random_model_path
+    from ember_server.cli.demo_model import random_model_path
 
     model = str(random_model_path("llama", seed=0, **MODEL_CONFIG))
     rows = {}

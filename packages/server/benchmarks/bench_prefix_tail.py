@@ -17,7 +17,7 @@ import statistics
 import time
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.llm import LLM
+from ember_server.engine.llm import LLM
 from ember_testing.tiny_models import tiny_model_path
 
 MODELS = {

@@ -29,11 +29,11 @@ import time
 
 import httpx
 
-from ember_server.bench import serve as bench_serve
-from ember_server.bench import throughput
-from ember_server.bench.common import random_prompts, write_json
-from ember_server.demo_model import demo_model_path
-from ember_server.engine_args import EngineArgs
+from ember_server.cli.bench import serve as bench_serve
+from ember_server.cli.bench import throughput
+from ember_server.cli.bench.common import random_prompts, write_json
+from ember_server.cli.demo_model import demo_model_path
+from ember_server.engine.engine_args import EngineArgs
 
 ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}
 # Requests per concurrency level: enough to keep every slot busy a few times over.
@@ -96,7 +96,10 @@ def _engine_core_pid(server_pid: int) -> int:
     server may have other children, e.g. a compiler building the attention kernel)."""
     for pid in _children(server_pid):
         with contextlib.suppress(OSError):
-            if b"ember_server.core_process" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+            if (
+                b"ember_server.engine.core_process"
+                in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+            ):
                 return pid
     raise RuntimeError(f"ember serve (pid {server_pid}) has no engine core process")
 

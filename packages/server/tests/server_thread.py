@@ -13,9 +13,9 @@ import time
 import httpx
 import uvicorn
 
-from ember_server.async_llm import AsyncLLM
-from ember_server.engine_args import EngineArgs
-from ember_server.event_loop import run_event_loop
+from ember_server.cli.event_loop import run_event_loop
+from ember_server.engine.async_llm import AsyncLLM
+from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.api_server import build_app
 from ember_server.openai.listener import bind_socket
 

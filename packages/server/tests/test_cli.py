@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from ember_server.cli import UsageError, make_parser, resolve_model
-from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
-from ember_server.engine_args import EngineArgs
+from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
+from ember_server.cli.main import UsageError, make_parser, resolve_model
+from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.listener import bind_socket
 
 
@@ -130,7 +130,7 @@ def test_module_entry_point_prints_help():
 
 
 def test_generate_prints_completions(tiny_model, capsys):
-    from ember_server.cli import main
+    from ember_server.cli.main import main
 
     model = str(tiny_model("llama"))
     argv = [
@@ -149,7 +149,7 @@ def test_generate_prints_completions(tiny_model, capsys):
 
 
 def test_bench_throughput_and_latency_write_json(tiny_model, tmp_path, capsys):
-    from ember_server.cli import main
+    from ember_server.cli.main import main
 
     model = str(tiny_model("llama"))
     engine = [model, "--max-model-len", "64", "--kv-cache-memory", "1MiB"]
@@ -169,7 +169,7 @@ def test_bench_throughput_and_latency_write_json(tiny_model, tmp_path, capsys):
 
 
 def test_generate_takes_the_prompt_positionally_next_to_model(tiny_model, capsys):
-    from ember_server.cli import main
+    from ember_server.cli.main import main
 
     argv = ["generate", "--model", str(tiny_model("llama")), "def f(x):", "--max-tokens", "3",
             "--max-model-len", "64"]  # fmt: skip
@@ -275,9 +275,24 @@ def test_the_api_server_process_never_imports_torch():
     """The API server tokenizes, streams and routes; torch is the engine core process's. Importing
     it cost the API server 2-3 s of a 2-core machine's start-up, beside the engine's own import."""
     code = (
-        "import sys, ember_server.cli, ember_server.openai.api_server, ember_server.async_llm; "
-        "ember_server.cli.make_parser().parse_args(['serve', '--speculative-config', "
+        "import sys, ember_server.cli.main, ember_server.openai.api_server, ember_server.engine.async_llm; "
+        "ember_server.cli.main.make_parser().parse_args(['serve', '--speculative-config', "
         '\'{"method": "ngram", "num_speculative_tokens": 2}\']); '
         "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_public_names_load_on_first_use():
+    """``import ember_server`` costs nothing; its public names load with the module behind each,
+    the API server's without torch."""
+    code = (
+        "import sys, ember_server; assert 'torch' not in sys.modules; "
+        "from ember_server import AsyncLLM, EngineArgs, SamplingParams; "
+        "assert 'torch' not in sys.modules, 'torch was imported'; "
+        "import ember; from ember_server.engine.llm import LLM; "
+        "assert ember.LLM is ember_server.LLM is LLM and ember.SamplingParams is SamplingParams; "
+        "assert AsyncLLM.__module__ == 'ember_server.engine.async_llm'; "
+        "assert set(ember.__all__) <= set(ember_server.__all__)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

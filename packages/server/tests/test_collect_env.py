@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ember_server.collect_env import collect_env
+from ember_server.cli.collect_env import collect_env
 
 
 def test_report_names_versions_cpu_and_environment():

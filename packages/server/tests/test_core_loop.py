@@ -9,11 +9,11 @@ import zmq
 
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server import core_messages as msg
-from ember_server.core_process import EngineCoreProc
-from ember_server.engine_args import EngineArgs
-from ember_server.engine_factory import make_engine_core
-from ember_server.model_config import ModelConfig
+from ember_server.engine import core_messages as msg
+from ember_server.engine.core_process import EngineCoreProc
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.engine_factory import make_engine_core
+from ember_server.engine.model_config import ModelConfig
 
 
 @pytest.fixture

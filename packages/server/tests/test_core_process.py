@@ -8,9 +8,9 @@ import pytest
 
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.async_llm import AsyncLLM
-from ember_server.core_client import ENGINE_OMP_ENV, EngineDeadError, EngineStartupError
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.async_llm import AsyncLLM
+from ember_server.engine.core_client import ENGINE_OMP_ENV, EngineDeadError, EngineStartupError
+from ember_server.engine.engine_args import EngineArgs
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +100,8 @@ async def _until(predicate):
 
 PARENT_SCRIPT = """
 import asyncio, sys
-from ember_server.async_llm import AsyncLLM
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.async_llm import AsyncLLM
+from ember_server.engine.engine_args import EngineArgs
 
 async def main():
     engine = await AsyncLLM.start(EngineArgs(model=sys.argv[1], kv_cache_memory=1 << 20))

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from ember_server import core_sharing
-from ember_server.core_sharing import CoreSharing, OtherProcessesCPU
+from ember_server.engine import core_sharing
+from ember_server.engine.core_sharing import CoreSharing, OtherProcessesCPU
 from ember_worker.step_threads import StepThreads
 
 

@@ -15,8 +15,8 @@ from server_thread import ServerThread
 from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import KVBlocksRemoved, KVBlocksStored, KVCacheCleared
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.data_parallel import DataParallelRouter
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.data_parallel import DataParallelRouter
+from ember_server.engine.engine_args import EngineArgs
 
 BLOCK = 4
 TIMEOUT = 60
@@ -105,7 +105,7 @@ def test_ties_rotate_and_dead_engines_get_nothing():
 def test_data_parallel_size_is_checked_and_offline_llm_refuses_it(tiny_model):
     with pytest.raises(ValueError, match="data_parallel_size"):
         EngineArgs(model="m", data_parallel_size=0)
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     with pytest.raises(ValueError, match="ember serve -dp"):
         LLM(str(tiny_model("llama")), data_parallel_size=2)

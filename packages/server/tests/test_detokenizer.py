@@ -2,7 +2,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.detokenizer import IncrementalDetokenizer
+from ember_server.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Grüße aus Köln 🙂🔥 日本語のテキスト def foo(): return 1 ∑ π"
 

@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from ember_server.engine_args import DEFAULT_ASYNC_SCHEDULING, EngineArgs, parse_bytes
+from ember_server.engine.engine_args import DEFAULT_ASYNC_SCHEDULING, EngineArgs, parse_bytes
 
 
 def test_cli_round_trip_sets_every_field():

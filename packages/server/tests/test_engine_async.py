@@ -8,10 +8,10 @@ import pytest
 
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.async_llm import AsyncLLM
-from ember_server.engine_args import EngineArgs
-from ember_server.llm import LLM
-from ember_server.outputs import RequestOutputKind
+from ember_server.engine.async_llm import AsyncLLM
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.llm import LLM
+from ember_server.engine.outputs import RequestOutputKind
 
 KV_BYTES = 8 * 1024**2
 PROMPTS = ["def foo(", "Grüße aus Köln", "import json\nclass", "x = [1, 2"]

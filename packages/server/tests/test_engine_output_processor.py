@@ -6,11 +6,11 @@ from transformers import AutoTokenizer
 from ember_scheduler.engine_types import EngineCoreOutput, FinishReason
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.input_processor import InputProcessor
-from ember_server.metrics import IterationStats
-from ember_server.model_config import ModelConfig
-from ember_server.output_processor import OutputProcessor
-from ember_server.outputs import RequestOutputKind
+from ember_server.engine.input_processor import InputProcessor
+from ember_server.engine.metrics import IterationStats
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.output_processor import OutputProcessor
+from ember_server.engine.outputs import RequestOutputKind
 
 
 @pytest.fixture(scope="module")

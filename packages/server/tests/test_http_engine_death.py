@@ -12,7 +12,7 @@ import httpx
 import pytest
 from server_thread import ServerThread
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 # Every wait below is bounded by this client timeout: a hang fails the test instead of blocking.
 TIMEOUT = 30

@@ -7,7 +7,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from ember_server.openai.errors import OpenAIError, from_value_error, install_error_handlers
-from ember_server.openai.protocol import CompletionRequest, ErrorResponse
+from ember_server.openai.protocol import ErrorResponse
+from ember_server.openai.protocol_completion import CompletionRequest
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_thread import ServerThread
 
-from ember_server.engine_args import EngineArgs
-from ember_server.openai.protocol import CHAT_ROLES
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.openai.protocol_chat import CHAT_ROLES
 
 TIMEOUT = 60
 

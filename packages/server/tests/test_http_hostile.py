@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_thread import ServerThread
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 TIMEOUT = 60
 BODY_LIMIT = 1024**2
@@ -104,7 +104,7 @@ def test_prompt_longer_than_any_context_is_refused_without_tokenizing(tiny_model
     args = EngineArgs(model=str(tiny_model("llama")), max_model_len=256, kv_cache_memory=2**21)
     with ServerThread(args, max_body_size=64 * 1024**2) as big_bodies:
         url = big_bodies.base_url
-        encoder = big_bodies.engine.text_encoder
+        encoder = big_bodies.engine.input_processor.text_encoder
         too_long = "a" * (256 * encoder.chars_per_token + 1)
         for route, body in (
             ("v1/completions", {"prompt": too_long}),

@@ -16,8 +16,8 @@ import torch
 from server_thread import ServerThread
 from transformers import AutoModel, AutoTokenizer
 
-from ember_server.engine_args import EngineArgs
-from ember_server.llm import LLM
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.llm import LLM
 
 TOLERANCE = 1e-4
 TEXTS = ["def main():\n    return 0", "The quick brown fox. " * 20, "x"]

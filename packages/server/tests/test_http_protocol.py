@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ember_server.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
+from ember_server.openai.protocol_chat import ChatCompletionRequest
+from ember_server.openai.protocol_completion import CompletionRequest
+from ember_server.openai.protocol_tokenize import TokenizeChatRequest, TokenizeCompletionRequest
 from ember_server.openai.sse import DONE, parse_sse, sse_event
 
 

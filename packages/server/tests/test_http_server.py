@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from server_thread import ServerThread
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.sse import parse_sse
 
 MODEL_NAME = "tiny-llama"
@@ -63,7 +63,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(engine_args):
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     llm = LLM(**dataclasses.asdict(dataclasses.replace(engine_args, data_parallel_size=1)))
     yield llm
@@ -352,7 +352,7 @@ def test_api_key(server):
 
 
 def test_bench_serve_against_the_server(server, tmp_path, capsys):
-    from ember_server.cli import main
+    from ember_server.cli.main import main
 
     out_json = tmp_path / "serve.json"
     argv = ["bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY]

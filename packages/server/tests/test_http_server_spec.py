@@ -17,7 +17,7 @@ import pytest
 from test_http_server import *  # noqa: F403  (the suite, re-collected with these engine args)
 from test_http_server import MODEL_NAME, PROMPTS
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ember_server.bench.common import percentiles_ms, random_prompts
+from ember_server.cli.bench.common import percentiles_ms, random_prompts
 from ember_server.openai.streams import StartedStream, merge_async_iterators
 
 

@@ -12,8 +12,8 @@ import pytest
 from server_thread import ServerThread
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
-from ember_server.engine_args import EngineArgs
-from ember_server.openai.protocol import ChatCompletionRequest
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.openai.protocol_chat import ChatCompletionRequest
 from ember_server.openai.tool_calls import (
     HermesToolParser,
     ParsedCallStream,

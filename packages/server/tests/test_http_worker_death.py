@@ -11,7 +11,7 @@ import time
 import httpx
 from server_thread import ServerThread
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 TIMEOUT = 30  # bounds every wait: a hang fails the test instead of blocking
 

@@ -9,10 +9,10 @@ import logging
 import pytest
 from transformers import AutoConfig
 
-from ember_server.async_llm import AsyncLLM
-from ember_server.core_client import EngineStartupError
-from ember_server.engine_args import EngineArgs
-from ember_server.llm import LLM
+from ember_server.engine.async_llm import AsyncLLM
+from ember_server.engine.core_client import EngineStartupError
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.llm import LLM
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8  # one is the pool's null block: 112 tokens hold one sequence, as in the report
@@ -49,7 +49,7 @@ def test_given_max_model_len_over_the_cache_is_refused_with_both_numbers_and_the
 
 def test_the_models_own_context_is_lowered_to_what_fits(model, caplog):
     memory = _bytes_for(model, NUM_BLOCKS)
-    with caplog.at_level(logging.WARNING, logger="ember_server.engine_factory"):
+    with caplog.at_level(logging.WARNING, logger="ember_server.engine.engine_factory"):
         llm = LLM(model, kv_cache_memory=memory, block_size=BLOCK_SIZE)
     try:
         assert llm.model_config.max_model_len == CAPACITY

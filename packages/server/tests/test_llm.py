@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server import engine_factory
-from ember_server.llm import LLM
+from ember_server.engine import engine_factory
+from ember_server.engine.llm import LLM
 
 PROMPTS = ["def foo(", "Grüße aus Köln", "import json\nclass", "x = [1, 2"]
 KV_BYTES = 8 * 1024**2

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from ember_server.output_collector import RequestOutputCollector
-from ember_server.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from ember_server.engine.output_collector import RequestOutputCollector
+from ember_server.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 
 
 def _output(deltas, finished=False, prompt_logprobs=None, cached=0):

@@ -12,10 +12,10 @@ import pytest
 from server_thread import ServerThread
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.cli import make_parser
-from ember_server.engine_args import EngineArgs
-from ember_server.llm import LLM
-from ember_server.pd_proxy import build_proxy_app, prefill_request
+from ember_server.cli.main import make_parser
+from ember_server.cli.pd_proxy import build_proxy_app, prefill_request
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.llm import LLM
 
 CHUNK = 32
 PROMPT = (

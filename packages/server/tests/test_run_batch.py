@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ember_scheduler import SamplingParams
-from ember_server.cli import main
-from ember_server.llm import LLM
+from ember_server.cli.main import main
+from ember_server.engine.llm import LLM
 
 
 def _line(custom_id, url, body, method="POST") -> str:

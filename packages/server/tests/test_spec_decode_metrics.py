@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ember_scheduler.engine_types import SchedulerStats, SpecDecodingStats
-from ember_server.metrics import EngineMetrics
+from ember_server.engine.metrics import EngineMetrics
 
 
 def stats(drafts, draft_tokens, accepted, per_pos):
@@ -29,7 +29,7 @@ def test_counters_and_per_position_acceptance_are_exported():
 def test_the_log_line_gives_the_mean_acceptance_length(caplog):
     metrics = EngineMetrics("m")
     metrics.spec_decode_log.interval = 0.0
-    with caplog.at_level(logging.INFO, logger="ember_server.metrics"):
+    with caplog.at_level(logging.INFO, logger="ember_server.engine.metrics"):
         metrics.record_scheduler_stats(stats(4, 16, 6, [3, 2, 1, 0]))
     # 6 accepted over 4 runs, plus each run's own token: 2.5 tokens per verified run
     assert "mean acceptance length 2.50" in caplog.text

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol import UsageInfo
+from ember_server.openai.protocol_chat import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
+    DeltaMessage,
+)
+from ember_server.openai.protocol_completion import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    DeltaMessage,
-    UsageInfo,
 )
 from ember_server.openai.sse import StreamEvents, content_choice, sse_event, text_choice
 

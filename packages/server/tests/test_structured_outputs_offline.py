@@ -7,7 +7,7 @@ import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
 from ember_scheduler import SamplingParams, StructuredOutputsParams
-from ember_server.llm import LLM
+from ember_server.engine.llm import LLM
 
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln", "import os", "class Foo:"]
 MAX_TOKENS = 400

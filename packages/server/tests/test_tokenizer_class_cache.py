@@ -10,8 +10,9 @@ import sys
 
 from transformers import AutoTokenizer
 
-from ember_server.tokenizer import load_tokenizer, render_chat
-from ember_server.tokenizer_class_cache import cache_dir
+from ember_server.engine.text_encoding import TextEncoder
+from ember_server.engine.tokenizer import load_tokenizer
+from ember_server.engine.tokenizer_class_cache import cache_dir
 from ember_testing.tiny_models import ARCHITECTURES
 
 TEXT = "Hello <|im_start|> wörld, 12345!\n  <|eos|>"
@@ -21,15 +22,16 @@ MESSAGES = [{"role": "user", "content": "Hi there"}]
 # it got; with --no-torch it fails if torch was imported.
 _LOAD = """
 import json, sys
-from ember_server.engine_args import EngineArgs
-from ember_server.model_config import ModelConfig
-from ember_server.tokenizer import load_tokenizer, render_chat
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.text_encoding import TextEncoder
+from ember_server.engine.tokenizer import load_tokenizer
 got = {}
 for path in sys.argv[1:-1]:
     ModelConfig.from_engine_args(EngineArgs(model=path))
     tok = load_tokenizer(path)
     got[path] = [type(tok).__name__, tok(%r).input_ids, tok.decode(tok(%r).input_ids),
-                 render_chat(tok, %r)]
+                 TextEncoder(tok, 64).render_chat(%r, add_generation_prompt=True)]
 if sys.argv[-1] == "--no-torch":
     assert "torch" not in sys.modules, "torch was imported"
 print(json.dumps(got))
@@ -49,7 +51,12 @@ def _load_in_a_new_process(paths, cache_home, no_torch: bool) -> dict:
 def _auto(path) -> list:
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok(TEXT).input_ids
-    return [type(tok).__name__, ids, tok.decode(ids), render_chat(tok, MESSAGES)]
+    return [
+        type(tok).__name__,
+        ids,
+        tok.decode(ids),
+        TextEncoder(tok, 64).render_chat(MESSAGES, add_generation_prompt=True),
+    ]
 
 
 def test_a_later_start_loads_the_same_tokenizer_without_torch(tiny_model, tmp_path):

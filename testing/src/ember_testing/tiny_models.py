@@ -1,7 +1,7 @@
 """The test-model factory: tiny random-weight models of every architecture Ember supports.
 
 Each is a real Hugging Face folder written by the server's demo-model writer
-(``ember_server.demo_model.random_model_path``: same tokenizer, same cache, same on-disk form),
+(``ember_server.cli.demo_model.random_model_path``: same tokenizer, same cache, same on-disk form),
 with the small sizes and the switches of its architecture.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from ember_server.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
+from ember_server.cli.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # With tied embeddings and small weights the residual stream stays close to the input token's

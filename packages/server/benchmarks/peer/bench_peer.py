@@ -97,7 +97,7 @@ def offline(engine: str, model: str) -> dict:
             return sum(len(o.outputs[0].token_ids) for o in done)
     else:
         from ember_scheduler.sampling_params import SamplingParams
-        from ember_server.llm import LLM
+        from ember_server.engine.llm import LLM
 
         llm = LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
 
@@ -255,7 +255,7 @@ class ProcessCPU:
 
 
 async def served(base_url: str, cpu: ProcessCPU) -> dict:
-    from ember_server.bench.serve import run_level, server_model
+    from ember_server.cli.bench.serve import run_level, server_model
 
     model = await server_model(base_url, None)
     prompts, _ = workload("fixed")

@@ -24,29 +24,28 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import ember_server
-from ember_server.core_client import AsyncMPClient, EngineDeadError
-from ember_server.engine_args import EngineArgs
-from ember_server.metrics import CONTENT_TYPE
+from ember_server.engine.core_client import AsyncMPClient, EngineDeadError
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.metrics import CONTENT_TYPE
 from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import install_error_handlers
 from ember_server.openai.json_route import MsgspecJSONRoute
-from ember_server.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeChatRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from ember_server.openai.protocol import ModelCard, ModelList
+from ember_server.openai.protocol_chat import ChatCompletionRequest
+from ember_server.openai.protocol_completion import CompletionRequest
 from ember_server.openai.protocol_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+)
+from ember_server.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.serving_chat import OpenAIServingChat
@@ -196,7 +195,7 @@ async def run_server(
     503 (a second signal fails them at once). In every case the engine core processes are
     stopped and their socket folders removed.
     """
-    from ember_server.async_llm import AsyncLLM
+    from ember_server.engine.async_llm import AsyncLLM
 
     if shutdown_timeout is None:
         shutdown_timeout = DEFAULT_SHUTDOWN_TIMEOUT

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ember_server.openai.protocol import (
+from ember_server.engine.outputs import Logprob
+from ember_server.openai.protocol_chat import (
     ChatCompletionLogProbs,
     ChatTokenLogprob,
     ChatTopLogprob,
-    CompletionLogProbs,
 )
-from ember_server.outputs import Logprob
+from ember_server.openai.protocol_completion import CompletionLogProbs
 
 TokenText = Callable[[int], str]
 

@@ -1,21 +1,27 @@
-"""What every OpenAI route shares: model check, tokenization, context-length check, generation."""
+"""What every OpenAI route shares: model check, prompts through the engine's input processor (the
+one owner of tokenization and the request rules), the output budget, generation."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import anyio
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.core_client import EngineDeadError
+from ember_server.engine.core_client import EngineDeadError
+from ember_server.engine.input_processor import TokenizedPrompt
+from ember_server.engine.outputs import RequestOutput
 from ember_server.openai.errors import OpenAIError, from_value_error
-from ember_server.openai.protocol import ChatCompletionRequest, OpenAIRequest, TokenizeChatRequest
+from ember_server.openai.protocol import OpenAIRequest
+from ember_server.openai.protocol_chat import ChatCompletionRequest
+from ember_server.openai.protocol_tokenize import TokenizeChatRequest
 from ember_server.openai.streams import StartedStream
-from ember_server.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+# How the input processor's structured-output errors begin (they name SamplingParams' field).
+STRUCTURED_OUTPUTS = "SamplingParams.structured_outputs"
 
 
 class OpenAIServing:
@@ -24,10 +30,9 @@ class OpenAIServing:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.text_encoder = engine.text_encoder
+        self.input_processor = engine.input_processor
         self.model_name: str = engine.served_model_name
         self.max_model_len: int = engine.model_config.max_model_len
-        self.vocab_size: int = engine.model_config.vocab_size
 
     def check_request(self, request: OpenAIRequest) -> None:
         """404 for another model's name, 503 when the engine is down; log ignored fields."""
@@ -43,20 +48,40 @@ class OpenAIServing:
             raise OpenAIError(f"The engine is not running: {self.engine.dead_error}", 503)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """A prompt's token ids; tokenized in a worker thread (the tokenizer releases the GIL
-        there), after a length check that refuses a huge prompt without tokenizing it."""
-        try:
-            self.text_encoder.check_length(text, "prompt")
-        except ValueError as exc:
-            raise OpenAIError(str(exc), 400, "prompt") from exc
-        return await asyncio.to_thread(self.text_encoder.encode, text, add_special_tokens)
+        """Token ids of text (``/tokenize``: no request follows, so no request rules), in a worker
+        thread (the tokenizer releases the GIL there), after a length check that refuses a huge
+        text without tokenizing it."""
+        encoder = self.input_processor.text_encoder
+        return await self._in_thread("prompt", encoder.encode, text, add_special_tokens)
 
-    async def encode_chat(self, request: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
-        """The request's messages as prompt token ids, through the tokenizer's chat template,
-        in a worker thread; message text stays plain text (see ``TextEncoder.encode_chat``)."""
+    async def prompt(
+        self, prompt: str | list[int], add_special_tokens: bool, field: str
+    ) -> TokenizedPrompt:
+        """A request's prompt, text (tokenized in a worker thread) or token ids, checked by the
+        input processor; its errors are 400s naming ``field``."""
+        if isinstance(prompt, str):
+            tokenize = self.input_processor.tokenize_text
+            return await self._in_thread(field, tokenize, prompt, add_special_tokens, field)
+        try:
+            return self.input_processor.tokenize_ids(prompt, field)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, field) from exc
+
+    async def chat_prompt(self, request: ChatCompletionRequest) -> TokenizedPrompt:
+        """The request's messages through the chat template, as a prompt."""
+        return await self._chat(self.input_processor.tokenize_chat, request)
+
+    async def encode_chat(self, request: TokenizeChatRequest) -> list[int]:
+        """Token ids of the request's messages through the chat template (``/tokenize``)."""
+        _, token_ids = await self._chat(self.input_processor.text_encoder.encode_chat, request)
+        return token_ids
+
+    async def _chat(self, tokenize, request: ChatCompletionRequest | TokenizeChatRequest):
+        """``tokenize`` (the input processor's, or its encoder's) of the request's messages in a
+        worker thread; message text stays plain text (see ``TextEncoder.encode_chat``)."""
         try:
             return await asyncio.to_thread(
-                self.text_encoder.encode_chat,
+                tokenize,
                 request.conversation(),
                 tools=request.template_tools()
                 if isinstance(request, ChatCompletionRequest)
@@ -70,14 +95,20 @@ class OpenAIServing:
         except Exception as exc:  # jinja errors, a template that rejects the conversation
             raise OpenAIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
 
-    def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            raise OpenAIError(
-                f"{field} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                400,
-                field,
-            )
+    @staticmethod
+    async def _in_thread(field: str, fn, *args):
+        """``fn(*args)`` in a worker thread (the tokenizer releases the GIL there; the encoder
+        refuses a huge text before tokenizing it); ValueErrors are 400s naming ``field``."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, field) from exc
+
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        try:
+            self.input_processor.check_token_ids(token_ids, field)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, field) from exc
 
     def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
         """The output budget; 400 when the prompt, or prompt plus ``requested``, exceeds the room
@@ -115,19 +146,23 @@ class OpenAIServing:
 
     def generate(
         self,
-        prompt_token_ids: list[int],
+        prompt: TokenizedPrompt,
         params: SamplingParams,
         request_id: str,
         priority: int,
         stream: bool,
+        structured_field: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt; the engine checks it now, so bad input is a 400 before any output,
-        and it is sent at once (see ``StartedStream``)."""
+        and it is sent at once (see ``StartedStream``). A structured-output spec that does not
+        parse is a 400 naming ``structured_field``, the request field it came from."""
         try:
             outputs = self.engine.generate(
-                prompt_token_ids, params, request_id, priority=priority, stream=stream
+                prompt, params, request_id, priority=priority, stream=stream
             )
         except ValueError as exc:
+            if structured_field is not None and str(exc).startswith(STRUCTURED_OUTPUTS):
+                raise OpenAIError(f"{structured_field}: {exc}", 400, structured_field) from exc
             raise from_value_error(exc) from exc
         except EngineDeadError as exc:  # it died (or the server began to stop) since the check
             raise OpenAIError(f"The engine is not running: {exc}", 503) from exc

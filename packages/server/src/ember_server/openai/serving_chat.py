@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.errors import OpenAIError, error_body
 from ember_server.openai.logprobs import chat_logprobs
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol import UsageInfo, random_id
+from ember_server.openai.protocol_chat import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -19,8 +21,6 @@ from ember_server.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
-    random_id,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, content_choice, sse_event
@@ -33,7 +33,6 @@ from ember_server.openai.tool_calls import (
     RequiredCallStream,
     forced_tool_call,
 )
-from ember_server.outputs import CompletionOutput, RequestOutput
 
 ROLE = "assistant"
 
@@ -65,16 +64,18 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "tool_choice",
             )
-        token_ids = await self.encode_chat(request)
-        if not token_ids:
-            raise OpenAIError("messages render to an empty prompt", 400, "messages")
-        max_tokens = self.max_tokens_for(request.requested_max_tokens, len(token_ids), None)
+        prompt = await self.chat_prompt(request)
+        num_prompt_tokens = len(prompt.token_ids)
+        max_tokens = self.max_tokens_for(request.requested_max_tokens, num_prompt_tokens, None)
         params = self.sampling_params(request.to_sampling_params, max_tokens)
         request_id = random_id("chatcmpl")
-        outputs = self.generate(token_ids, params, request_id, request.priority, request.stream)
+        outputs = self.generate(
+            prompt, params, request_id, request.priority, request.stream, request.structured_field
+        )
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, len(token_ids), outputs), media_type=MEDIA_TYPE
+                self._stream(request, request_id, num_prompt_tokens, outputs),
+                media_type=MEDIA_TYPE,
             )
         try:
             final = await until_disconnect(self._last(outputs), raw_request)

@@ -10,30 +10,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.openai.errors import OpenAIError, error_body
+from ember_server.engine.input_processor import TokenizedPrompt
+from ember_server.engine.outputs import RequestOutput
+from ember_server.openai.errors import error_body
 from ember_server.openai.logprobs import completion_logprobs
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol import UsageInfo, random_id
+from ember_server.openai.protocol_completion import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
-    random_id,
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, sse_event, text_choice
 from ember_server.openai.streams import ClientDisconnected, merge_async_iterators, until_disconnect
-from ember_server.outputs import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 
 
 @dataclasses.dataclass
 class _Prompt:
-    text: str
-    token_ids: list[int]
+    text: str  # what echo puts before the completion
+    prompt: TokenizedPrompt
     params: SamplingParams
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt.token_ids
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -48,7 +52,12 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, p in enumerate(prompts):
                 streams.append(
                     self.generate(
-                        p.token_ids, p.params, f"{request_id}-{i}", request.priority, request.stream
+                        p.prompt,
+                        p.params,
+                        f"{request_id}-{i}",
+                        request.priority,
+                        request.stream,
+                        request.structured_field,
                     )
                 )
         except Exception:  # a later prompt refused: the ones already sent are withdrawn
@@ -68,18 +77,16 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(self._response(request, request_id, prompts, finals).model_dump())
 
     async def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+        tokenized = await self.prompt(prompt, request.add_special_tokens, "prompt")
         if isinstance(prompt, str):
-            token_ids = await self.encode(prompt, request.add_special_tokens)
             text = prompt
         else:
-            self.check_token_ids(prompt, "prompt")
-            token_ids = list(prompt)
-            text = self.tokenizer.decode(token_ids) if request.echo else ""
-        if not token_ids:
-            raise OpenAIError("prompt must not be empty (it has no tokens)", 400, "prompt")
-        max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), DEFAULT_MAX_TOKENS)
+            text = self.tokenizer.decode(tokenized.token_ids) if request.echo else ""
+        max_tokens = self.max_tokens_for(
+            request.max_tokens, len(tokenized.token_ids), DEFAULT_MAX_TOKENS
+        )
         return _Prompt(
-            text, token_ids, self.sampling_params(request.to_sampling_params, max_tokens)
+            text, tokenized, self.sampling_params(request.to_sampling_params, max_tokens)
         )
 
     @staticmethod

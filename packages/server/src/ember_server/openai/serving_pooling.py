@@ -12,6 +12,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ember_scheduler.pooling_params import PoolingParams
+from ember_server.engine.input_processor import TokenizedPrompt
+from ember_server.engine.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.scoring import pair_up, score_mode, scores_from_outputs, scoring_inputs
 from ember_server.openai.errors import OpenAIError, from_value_error
 from ember_server.openai.protocol import UsageInfo, random_id
 from ember_server.openai.protocol_pooling import (
@@ -33,8 +36,6 @@ from ember_server.openai.protocol_pooling import (
 )
 from ember_server.openai.serving import OpenAIServing
 from ember_server.openai.streams import ClientDisconnected, until_disconnect
-from ember_server.pooling_outputs import PoolingRequestOutput
-from ember_server.scoring import pair_up, score_mode, scores_from_outputs, scoring_inputs
 
 
 class OpenAIServingPooling(OpenAIServing):
@@ -124,7 +125,7 @@ class OpenAIServingPooling(OpenAIServing):
         try:
             mode = score_mode(self.engine.model_config)
             pairs = pair_up(text_1, text_2)
-            prompts, params = scoring_inputs(mode, self.tokenizer, pairs)
+            prompts, params = scoring_inputs(mode, self.input_processor.text_encoder, pairs)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         if params.task == "embed":
@@ -133,11 +134,10 @@ class OpenAIServingPooling(OpenAIServing):
         scored = scores_from_outputs(mode, outputs, [str(i) for i in range(len(pairs))])
         return [s.outputs.score for s in scored], outputs
 
-    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            return await self.encode(prompt, add_special_tokens)
-        self.check_token_ids(prompt, "input")
-        return list(prompt)
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool) -> TokenizedPrompt:
+        # A text's errors have always named "prompt", token ids' "input".
+        field = "prompt" if isinstance(prompt, str) else "input"
+        return await self.prompt(prompt, add_special_tokens, field)
 
     @staticmethod
     def _params(**fields) -> PoolingParams:
@@ -149,7 +149,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def _pool(
         self,
         request_id: str,
-        prompts: list[list[int]],
+        prompts: list[TokenizedPrompt | list[int]],
         params: PoolingParams,
         priority: int,
         raw_request: Request,

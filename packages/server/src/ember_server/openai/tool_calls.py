@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ember_server.openai.protocol import (
+from ember_server.openai.protocol_chat import (
     ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaMessage,

@@ -1,7 +1,11 @@
 """Front-end input checks and tokenization: a prompt becomes one ``EngineCoreRequest`` per sequence.
 
-Every check runs before anything reaches the engine core, so bad input raises ``ValueError`` and
-leaves no state behind. A request with ``n`` > 1 becomes ``n`` child requests with the same prompt
+The one owner of the request rules the offline ``LLM``, ``AsyncLLM`` and the HTTP routes share:
+text and chat conversations become token ids through its ``TextEncoder``; token ids lie in the
+vocabulary; a prompt has tokens and leaves room for output within the length limit
+(``max_num_tokens``); a structured-output spec parses. Every check runs before anything reaches
+the engine core, so bad input raises ``ValueError`` naming the field and leaves no state behind
+(the engine core keeps its own checks only as a guard for callers that bypass this one). A request with ``n`` > 1 becomes ``n`` child requests with the same prompt
 (ids ``"{index}_{request_id}"``): the first to be scheduled fills the prefix cache and the others
 reuse its KV blocks instead of recomputing the prompt.
 """
@@ -10,15 +14,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from ember_server.model_config import ModelConfig
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.text_encoding import TextEncoder
 
-PromptType = str | Sequence[int]
+
+class TokenizedPrompt(NamedTuple):
+    """A prompt that passed the input processor's checks (made by its ``tokenize*`` methods):
+    its text (None when it came as token ids) and its token ids. Passed on as it is, it is not
+    checked or tokenized again."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+PromptType = str | Sequence[int] | TokenizedPrompt
 # What a pooling request carries for sampling: never used (it samples nothing), and greedy so that
 # a row sampled alongside generation requests draws no random numbers.
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
@@ -45,6 +61,15 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_num_kv_tokens = max_num_kv_tokens  # the longest sequence the KV cache holds
+        self.text_encoder = TextEncoder(tokenizer, model_config.max_model_len)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The longest sequence a request may reach: ``max_model_len``, or the KV cache's
+        capacity where that is smaller."""
+        if self.max_num_kv_tokens is None:
+            return self.model_config.max_model_len
+        return min(self.model_config.max_model_len, self.max_num_kv_tokens)
 
     def output_room(self, num_prompt_tokens: int) -> int:
         """How many tokens a prompt this long leaves for output: the one owner of the sequence
@@ -67,30 +92,63 @@ class InputProcessor:
                 f"{num_prompt_tokens} tokens, leaving no room for the completion. Please reduce "
                 "the length of the prompt, or raise kv_cache_memory."
             )
-        if max_num_kv_tokens is not None:
-            max_model_len = min(max_model_len, max_num_kv_tokens)
-        return max_model_len - num_prompt_tokens
+        return self.max_num_tokens - num_prompt_tokens
 
-    def tokenize(
-        self, prompt: PromptType, add_special_tokens: bool = True
-    ) -> tuple[str | None, list[int]]:
-        """``(prompt text or None, prompt token ids)``; token ids are checked against the vocabulary."""
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> TokenizedPrompt:
+        """A prompt of the Python API (text, token ids, or a ``TokenizedPrompt`` passed through)."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-            return prompt, list(ids)
+            return self.tokenize_text(prompt, add_special_tokens)
         if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
             raise ValueError(
                 f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
             )
-        ids = np.asarray(prompt)
-        if ids.size == 0:
-            raise ValueError("prompt_token_ids must not be empty")
+        return self.tokenize_ids(prompt)
+
+    def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, field: str = "prompt"
+    ) -> TokenizedPrompt:
+        """Prompt text to token ids (a text longer than any context is refused untokenized)."""
+        token_ids = self.text_encoder.encode(text, add_special_tokens, field)
+        if not token_ids:
+            raise ValueError(f"{field} must not be empty (it has no tokens)")
+        return TokenizedPrompt(text, token_ids)
+
+    def tokenize_ids(
+        self, token_ids: Sequence[int], field: str = "prompt_token_ids"
+    ) -> TokenizedPrompt:
+        """A prompt given as token ids: a flat, non-empty list within the vocabulary."""
+        if len(token_ids) == 0:
+            raise ValueError(f"{field} must not be empty (it has no tokens)")
+        return TokenizedPrompt(None, self.check_token_ids(token_ids, field))
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[dict],
+        tools: list[dict] | None = None,
+        client_kwargs: dict | None = None,
+        **options,
+    ) -> TokenizedPrompt:
+        """A conversation through the chat template (rendered once; message text stays plain
+        text, see ``TextEncoder.encode_chat``)."""
+        text, token_ids = self.text_encoder.encode_chat(messages, tools, client_kwargs, **options)
+        if not token_ids:
+            raise ValueError("messages render to an empty prompt")
+        return TokenizedPrompt(text, token_ids)
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str) -> list[int]:
+        """``token_ids`` as a list, if it is a flat list of integers within the vocabulary."""
+        ids = _id_array(token_ids)
+        if ids is None:
+            raise ValueError(f"{field} must be a flat list of integers")
         vocab = self.model_config.vocab_size
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"prompt_token_ids must be a flat list of integers in [0, {vocab})")
-        return None, ids.tolist()
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
+            raise ValueError(f"{field} holds token ids outside the vocabulary [0, {vocab}): {bad}")
+        return ids.tolist()
 
     def make_requests(
         self,
@@ -168,9 +226,7 @@ class InputProcessor:
         if params.pooling_type is None and params.task == "embed":
             params = params.clone(pooling_type=config.pooling_type)
         self._check_request(request_id, priority)
-        limit = config.max_model_len
-        if self.max_num_kv_tokens is not None:
-            limit = min(limit, self.max_num_kv_tokens)
+        limit = self.max_num_tokens
         if len(prompt_token_ids) > limit:
             raise ValueError(
                 f"This model's maximum input length is {limit} tokens. However, your input has "
@@ -216,3 +272,23 @@ class InputProcessor:
             from ember_worker.structured_outputs import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
+
+
+def _id_array(token_ids) -> np.ndarray | None:
+    """``token_ids`` as a 1-D integer array (of Python ints where they pass int64), or None
+    when it is not a flat list of integers."""
+    if isinstance(token_ids, (str, bytes, dict)) or not isinstance(token_ids, Sequence):
+        return None
+    try:
+        ids = np.asarray(token_ids)
+    except (ValueError, TypeError):  # ragged nesting
+        return None
+    if ids.ndim != 1:
+        return None
+    if ids.dtype.kind in "iu":
+        return ids
+    if ids.size == 0:
+        return ids.astype(np.int64)
+    if ids.dtype == object and all(type(t) is int for t in token_ids):
+        return ids
+    return None

@@ -1,6 +1,6 @@
 """The engine core in its own process: a busy loop between ZMQ sockets and ``EngineCore.step``.
 
-Started by ``core_client.AsyncMPClient`` as ``python -m ember_server.core_process``. It connects
+Started by ``core_client.AsyncMPClient`` as ``python -m ember_server.engine.core_process``. It connects
 a DEALER to the front end's ROUTER (requests in) and a PUSH to its PULL (outputs out), builds the
 engine core, and says READY (or FAILED with the traceback) on the DEALER. Then, while requests
 are unfinished, every pass drains the input socket and runs one step; when idle it blocks on the
@@ -26,9 +26,9 @@ from ember_scheduler.engine_types import (
     EngineCoreRequest,
     FinishReason,
 )
-from ember_server import core_messages as msg
-from ember_server.core_sharing import CoreSharing, OtherProcessesCPU
-from ember_server.engine_args import EngineArgs
+from ember_server.engine import core_messages as msg
+from ember_server.engine.core_sharing import CoreSharing, OtherProcessesCPU
+from ember_server.engine.engine_args import EngineArgs
 
 _IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 
@@ -116,8 +116,8 @@ def run_engine_core(
     args: EngineArgs, input_address: str, output_address: str, parent_pid: int
 ) -> int:
     """Connect, build the engine core, handshake and serve; returns the exit status."""
-    from ember_server.engine_factory import make_engine_core
-    from ember_server.model_config import ModelConfig
+    from ember_server.engine.engine_factory import make_engine_core
+    from ember_server.engine.model_config import ModelConfig
 
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 from ember_worker.hf_config import (
     HFConfig,
     as_token_ids,

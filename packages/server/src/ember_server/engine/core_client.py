@@ -1,7 +1,7 @@
 """The front end's side of the engine core process: spawn, handshake, send, receive, watch.
 
 ``AsyncMPClient.launch`` binds a ROUTER (requests out) and a PULL (outputs in) on IPC sockets in a
-private temp folder and starts ``python -m ember_server.core_process``; ``wait_ready`` waits for
+private temp folder and starts ``python -m ember_server.engine.core_process``; ``wait_ready`` waits for
 its READY (or FAILED, or its exit). A thread waits on the process; the moment it exits the client
 calls ``on_engine_dead`` in the event loop, so nobody waits on a dead engine.
 """
@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
-from ember_server import core_messages as msg
-from ember_server.engine_args import EngineArgs
+from ember_server.engine import core_messages as msg
+from ember_server.engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class AsyncMPClient:
         client = cls()
         try:
             command = [
-                sys.executable, "-m", "ember_server.core_process",
+                sys.executable, "-m", "ember_server.engine.core_process",
                 "--input-address", client.input_address,
                 "--output-address", client.output_address,
                 "--parent-pid", str(os.getpid()),

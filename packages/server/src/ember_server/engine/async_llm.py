@@ -13,18 +13,17 @@ from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.core_client import AsyncMPClient, EngineDeadError, launch_engines
-from ember_server.data_parallel import DataParallelRouter
-from ember_server.engine_args import EngineArgs
-from ember_server.input_processor import InputProcessor, PromptType
-from ember_server.metrics import EngineMetrics, IterationStats
-from ember_server.model_config import ModelConfig
-from ember_server.output_collector import RequestOutputCollector
-from ember_server.output_processor import OutputProcessor
-from ember_server.outputs import RequestOutput, RequestOutputKind
-from ember_server.pooling_outputs import PoolingRequestOutput
-from ember_server.text_encoding import TextEncoder
-from ember_server.tokenizer import load_tokenizer
+from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, launch_engines
+from ember_server.engine.data_parallel import DataParallelRouter
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.input_processor import InputProcessor, PromptType
+from ember_server.engine.metrics import EngineMetrics, IterationStats
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.output_collector import RequestOutputCollector
+from ember_server.engine.output_processor import OutputProcessor
+from ember_server.engine.outputs import RequestOutput, RequestOutputKind
+from ember_server.engine.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,6 @@ class AsyncLLM:
         self.router = DataParallelRouter(len(clients), hasher)
         self.engine_stats = [SchedulerStats() for _ in clients]  # the latest each reported
         self.engine_errors: list[EngineDeadError | None] = [None] * len(clients)
-        self.text_encoder = TextEncoder(tokenizer, model_config.max_model_len)
         self.dead_error: EngineDeadError | None = None
         self._dead = asyncio.Event()
         self._queues: dict[str, RequestOutputCollector] = {}
@@ -198,21 +196,22 @@ class AsyncLLM:
         A caller that falls behind gets the engine steps it missed in one output.
 
         Input is checked here, at the call (``ValueError`` naming the problem), before anything
-        reaches the engine core; the request is sent when iteration starts. Leaving the iteration
+        reaches the engine core (a ``TokenizedPrompt`` from ``input_processor``, as the HTTP
+        routes pass, was checked when it was made); the request is sent when iteration starts. Leaving the iteration
         early (or cancelling it) aborts the request and frees its KV blocks.
         """
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        text, ids = self.input_processor.tokenize(prompt)
+        prompt = self.input_processor.tokenize(prompt)
         engine_requests = self.input_processor.make_requests(
-            request_id, ids, sampling_params, priority
+            request_id, prompt.token_ids, sampling_params, priority
         )
         kind = output_kind
         if kind is None:
             kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        return self._stream_outputs(request_id, text, sampling_params, engine_requests, kind)
+        return self._stream_outputs(request_id, prompt.text, sampling_params, engine_requests, kind)
 
     async def encode(
         self,
@@ -230,7 +229,7 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        _, ids = self.input_processor.tokenize(prompt)
+        ids = self.input_processor.tokenize(prompt).token_ids
         request = self.input_processor.make_pooling_request(
             request_id, ids, pooling_params, priority
         )

@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 import time
 
-from ember_server.bench.common import percentiles_ms, random_prompts, write_json
-from ember_server.engine_args import EngineArgs
+from ember_server.cli.bench.common import percentiles_ms, random_prompts, write_json
+from ember_server.engine.engine_args import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def measure(
     num_iters_warmup: int,
 ) -> dict:
     from ember_scheduler.sampling_params import SamplingParams
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args))
     try:

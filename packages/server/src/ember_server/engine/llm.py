@@ -9,21 +9,20 @@ from tqdm.auto import tqdm
 
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine_args import EngineArgs
-from ember_server.engine_factory import make_engine_core
-from ember_server.input_processor import InputProcessor
-from ember_server.metrics import EngineMetrics, IterationStats
-from ember_server.model_config import ModelConfig
-from ember_server.output_processor import OutputProcessor
-from ember_server.outputs import RequestOutput, RequestOutputKind
-from ember_server.pooling_outputs import (
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.engine_factory import make_engine_core
+from ember_server.engine.input_processor import InputProcessor, TokenizedPrompt
+from ember_server.engine.metrics import EngineMetrics, IterationStats
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.output_processor import OutputProcessor
+from ember_server.engine.outputs import RequestOutput, RequestOutputKind
+from ember_server.engine.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
 )
-from ember_server.scoring import score_pairs
-from ember_server.text_encoding import TextEncoder
-from ember_server.tokenizer import load_tokenizer, render_chat
+from ember_server.engine.scoring import score_pairs
+from ember_server.engine.tokenizer import load_tokenizer
 
 
 class LLM:
@@ -53,7 +52,6 @@ class LLM:
             max_num_kv_tokens=self.engine_core.max_num_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.text_encoder = TextEncoder(self.tokenizer, self.model_config.max_model_len)
         self.metrics = EngineMetrics(self.model_config.served_model_name)
         self._request_counter = itertools.count()
 
@@ -85,21 +83,14 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a
         list of conversations, rendered through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = render_chat(
-                self.tokenizer,
+        prompts: list[TokenizedPrompt] = [
+            self.input_processor.tokenize_chat(
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            # Message text stays plain text: no forged special tokens (see text_encoding).
-            ids = self.text_encoder.encode_chat(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            )
-            prompts.append((text, ids))
+            for conversation in conversations
+        ]
         return self._generate(prompts, sampling_params, use_tqdm, None)
 
     def encode(
@@ -119,7 +110,7 @@ class LLM:
         ]
         requests = []
         for prompt, params in zip(prompts, params_list):
-            _, ids = prompt if isinstance(prompt, tuple) else self.input_processor.tokenize(prompt)
+            ids = self.input_processor.tokenize(prompt).token_ids
             request_id = str(next(self._request_counter))
             requests.append(self.input_processor.make_pooling_request(request_id, ids, params))
         order = {request.request_id: i for i, request in enumerate(requests)}
@@ -162,7 +153,7 @@ class LLM:
         cosine similarity of the two embeddings. Returns ``ScoringRequestOutput``s in pair order.
         """
         return score_pairs(
-            self.model_config, self.tokenizer, text_1, text_2,
+            self.model_config, self.input_processor.text_encoder, text_1, text_2,
             lambda prompts, params: self.encode(prompts, params, use_tqdm=use_tqdm),
         )  # fmt: skip
 
@@ -177,14 +168,12 @@ class LLM:
         # Check and tokenize everything before the engine sees any of it.
         batch = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            text, ids = (
-                prompt if isinstance(prompt, tuple) else self.input_processor.tokenize(prompt)
-            )
+            prompt = self.input_processor.tokenize(prompt)
             request_id = str(next(self._request_counter))
             engine_requests = self.input_processor.make_requests(
-                request_id, ids, params, priorities[i] if priorities else 0
+                request_id, prompt.token_ids, params, priorities[i] if priorities else 0
             )
-            batch.append((request_id, text, params, engine_requests))
+            batch.append((request_id, prompt.text, params, engine_requests))
         order = {}
         for i, (request_id, text, params, engine_requests) in enumerate(batch):
             self.output_processor.add_request(

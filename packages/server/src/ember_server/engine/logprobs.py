@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ember_scheduler.outputs import Logprobs
-from ember_server.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from ember_server.engine.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 
 class LogprobsDecoder:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
-from ember_server.engine_args import EngineArgs
-from ember_server.model_config import ModelConfig
+from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from ember_worker.step_threads import StepThreads

@@ -12,8 +12,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ember_scheduler.pooling_params import PoolingParams
-from ember_server.model_config import ModelConfig
-from ember_server.pooling_outputs import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
+from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.pooling_outputs import (
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from ember_server.engine.text_encoding import TextEncoder
 
 CROSS_ENCODER, EMBEDDING = "cross-encoder", "embedding"
 
@@ -42,11 +47,11 @@ def pair_up(text_1, text_2) -> list[tuple[str, str]]:
     return list(zip(firsts, seconds))
 
 
-def scoring_inputs(mode: str, tokenizer, pairs: list[tuple[str, str]]):
+def scoring_inputs(mode: str, text_encoder: TextEncoder, pairs: list[tuple[str, str]]):
     """The prompts and pooling parameters that score ``pairs``: one prompt per pair for a
     cross-encoder (token ids of the text pair), the two texts of each pair for embeddings."""
     if mode == CROSS_ENCODER:
-        prompts = [list(tokenizer(a, b).input_ids) for a, b in pairs]
+        prompts = [text_encoder.encode_pair(a, b) for a, b in pairs]
         return prompts, PoolingParams(task="classify")
     return [text for pair in pairs for text in pair], PoolingParams(task="embed", normalize=True)
 
@@ -73,7 +78,7 @@ def scores_from_outputs(
 
 def score_pairs(
     model_config: ModelConfig,
-    tokenizer,
+    text_encoder: TextEncoder,
     text_1,
     text_2,
     encode: Callable[[list, PoolingParams], list[PoolingRequestOutput]],
@@ -81,7 +86,7 @@ def score_pairs(
     """Score every pair with ``encode`` (the offline engine's)."""
     mode = score_mode(model_config)
     pairs = pair_up(text_1, text_2)
-    prompts, params = scoring_inputs(mode, tokenizer, pairs)
+    prompts, params = scoring_inputs(mode, text_encoder, pairs)
     outputs = encode(prompts, params)
     return scores_from_outputs(mode, outputs, [str(i) for i in range(len(pairs))])
 

@@ -16,17 +16,17 @@ import numpy as np
 from ember_scheduler.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.detokenizer import IncrementalDetokenizer
-from ember_server.logprobs import LogprobsDecoder
-from ember_server.metrics import IterationStats
-from ember_server.outputs import (
+from ember_server.engine.detokenizer import IncrementalDetokenizer
+from ember_server.engine.logprobs import LogprobsDecoder
+from ember_server.engine.metrics import IterationStats
+from ember_server.engine.outputs import (
     CompletionOutput,
     PromptLogprobs,
     RequestOutput,
     RequestOutputKind,
     SampleLogprobs,
 )
-from ember_server.pooling_outputs import PoolingOutput, PoolingRequestOutput
+from ember_server.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
 
 
 class ParentRequest:

@@ -22,7 +22,12 @@ import time
 
 import aiohttp
 
-from ember_server.bench.common import add_workload_args, percentiles_ms, random_prompts, write_json
+from ember_server.cli.bench.common import (
+    add_workload_args,
+    percentiles_ms,
+    random_prompts,
+    write_json,
+)
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 
 Without a model, every command uses Ember's built-in demo model: a tiny Llama (about 5 MB) with
 random weights and a real byte-level BPE tokenizer, written offline on first use by
-``ember_server.demo_model``. It exercises the whole stack but its text is gibberish.
+``ember_server.cli.demo_model``. It exercises the whole stack but its text is gibberish.
 
 A user's mistake is one line on stderr (``ember: error: ...``) and a non-zero exit: 2 for what
 was typed (a flag, a model folder, a setting the engine refuses), 1 for the environment (a port in
@@ -21,9 +21,9 @@ import signal
 import sys
 import traceback
 
-from ember_server.demo_model import DEMO_MODEL_NAME, demo_model_path
-from ember_server.engine_args import EngineArgs, parse_bytes
-from ember_server.event_loop import run_event_loop
+from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
+from ember_server.cli.event_loop import run_event_loop
+from ember_server.engine.engine_args import EngineArgs, parse_bytes
 from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember")
@@ -104,7 +104,7 @@ def _stop_start_up(signum: int, frame) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ember_server.core_client import launch_engines
+    from ember_server.engine.core_client import launch_engines
     from ember_server.openai.listener import bind_socket
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -144,7 +144,7 @@ def _generate(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ember_scheduler.sampling_params import SamplingParams
-    from ember_server.llm import LLM
+    from ember_server.engine.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
@@ -162,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from ember_server.run_batch import run_batch
+    from ember_server.cli.run_batch import run_batch
 
     for path, mode in ((args.input, "r"), (args.output, "a")):
         try:
@@ -178,7 +178,7 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from ember_server.pd_proxy import run_proxy
+    from ember_server.cli.pd_proxy import run_proxy
 
     for name in ("prefill", "decode"):
         if not getattr(args, name).startswith(("http://", "https://")):
@@ -210,7 +210,7 @@ def _positive_bytes(text: str) -> int:
 
 
 def _collect_env(_args: argparse.Namespace) -> int:
-    from ember_server.collect_env import main as collect_env_main
+    from ember_server.cli.collect_env import main as collect_env_main
 
     return collect_env_main()
 
@@ -292,8 +292,8 @@ def make_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000).")
     proxy.set_defaults(handler=_proxy, needs_model=False)
 
-    from ember_server.bench import latency, throughput
-    from ember_server.bench import serve as bench_serve
+    from ember_server.cli.bench import latency, throughput
+    from ember_server.cli.bench import serve as bench_serve
 
     bench = commands.add_parser("bench", help="Benchmarks: throughput, latency, serve.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -315,7 +315,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _exit_status(exc: BaseException) -> int | None:
     """The exit status of a user's mistake; None for anything else (a bug: its traceback shows)."""
-    from ember_server.core_client import EngineStartupError
+    from ember_server.engine.core_client import EngineStartupError
 
     if isinstance(exc, EngineStartupError):
         return USAGE_ERROR if exc.bad_settings else ENVIRONMENT_ERROR

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from ember_server.detokenizer import backend_tokenizer
+from ember_server.engine.detokenizer import backend_tokenizer
 
 # How many code points a normalizer may turn into one (None: any number, e.g. by deleting).
 _NORMALIZER_SHRINK = {"NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Lowercase": 1, "Prepend": 1}
@@ -86,7 +86,9 @@ def max_chars_per_token(tokenizer) -> int | None:
 
 
 class TextEncoder:
-    """Tokenizes prompts and conversations for one model (``max_model_len`` tokens of context)."""
+    """Tokenizes prompts and renders and tokenizes conversations for one model
+    (``max_model_len`` tokens of context): the one way text becomes token ids, for the offline
+    API and the HTTP routes alike (the ``InputProcessor`` holds it)."""
 
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -119,12 +121,28 @@ class TextEncoder:
                 f"tokenizer covers at most {self.chars_per_token} characters)"
             )
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+        """Token ids of prompt text, after the length bound (``field`` names it in the error)."""
+        self.check_length(text, field)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as the tokenizer joins them (a cross-encoder's input)."""
+        return list(self.tokenizer(first, second).input_ids)
 
     def render_chat(
         self, messages: Sequence[dict], tools=None, client_kwargs: dict | None = None, **options
     ) -> str:
+        """The prompt text of a conversation (``[{"role": ..., "content": ...}, ...]``) through
+        the chat template (``options["chat_template"]``, else the tokenizer's). The text already
+        holds the template's special tokens (such as BOS)."""
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if options.get("chat_template") is None and self.tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template")
         return self.tokenizer.apply_chat_template(
             list(messages), tools=tools, tokenize=False, **(client_kwargs or {}), **options
         )
@@ -135,8 +153,9 @@ class TextEncoder:
         tools: list[dict] | None = None,
         client_kwargs: dict | None = None,
         **options,
-    ) -> list[int]:
-        """Token ids of ``messages`` through the chat template, with what the client wrote as plain
+    ) -> tuple[str, list[int]]:
+        """The rendered text and token ids of ``messages`` through the chat template (rendered
+        once, twice where a message holds a special token's text), with what the client wrote as plain
         text: the messages (all but their roles), ``tools`` and ``client_kwargs`` (extra template
         variables). ``options`` (``add_generation_prompt``, ``chat_template``, ...) are the
         caller's own and go to the template as they are.
@@ -144,12 +163,12 @@ class TextEncoder:
         ``ValueError`` if client text holds a special token's text and the template does not copy
         it verbatim (then the template's own tokens cannot be told apart).
         """
+        rendered = self.render_chat(messages, tools, client_kwargs, **options)
         client = {"messages": [_without_role(m) for m in messages], "tools": tools,
                   "kwargs": client_kwargs}  # fmt: skip
-        rendered = self.render_chat(messages, tools, client_kwargs, **options)
         self.check_length(rendered, "messages")
         if self._special_text is None or not any(map(self._special_text.search, _texts(client))):
-            return self.encode(rendered, add_special_tokens=False)
+            return rendered, self.tokenizer.encode(rendered, add_special_tokens=False)
         masked = self.render_chat(
             [{**_map_text(_without_role(m), self._mask_text), "role": m["role"]} for m in messages],
             _map_text(tools, self._mask_text),
@@ -168,7 +187,7 @@ class TextEncoder:
             ids += self._plain_ids(rendered[position:start])
             ids.append(self._special_ids[match.group()])
             position = end
-        return ids + self._plain_ids(rendered[position:])
+        return rendered, ids + self._plain_ids(rendered[position:])
 
     def _mask_text(self, text: str) -> str:
         return self._special_text.sub(lambda m: self._mask * len(m.group()), text)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ember_server.outputs import RequestOutput, RequestOutputKind
-from ember_server.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.outputs import RequestOutput, RequestOutputKind
+from ember_server.engine.pooling_outputs import PoolingRequestOutput
 
 Item = RequestOutput | PoolingRequestOutput | BaseException
 

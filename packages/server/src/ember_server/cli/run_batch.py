@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from ember_server.engine_args import EngineArgs
+from ember_server.engine.engine_args import EngineArgs
 
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # Requests in flight at once; the engine's own scheduler batches them.
@@ -97,7 +97,7 @@ async def run_lines(client: httpx.AsyncClient, lines: list[str], progress: tqdm)
 
 async def run_batch(engine_args: EngineArgs, input_path: str, output_path: str) -> int:
     """Run every line of ``input_path`` and write ``output_path``; the number of failed lines."""
-    from ember_server.async_llm import AsyncLLM
+    from ember_server.engine.async_llm import AsyncLLM
     from ember_server.openai.api_server import build_app
 
     with open(input_path, encoding="utf-8") as file:
