@@ -19,9 +19,10 @@ class SchedulerConfig:
     KV slots for that many speculative tokens beyond the scheduled ones (for a drafter that
     writes KV). With ``async_scheduling`` step n+1 is scheduled while step n runs: each request
     about to sample holds an output placeholder until its token arrives (the worker feeds the
-    token to step n+1 itself); speculative decoding (``num_lookahead_tokens``) needs the drafts
-    of step n to schedule step n+1, so it is refused with it. Validated on construction
-    (ValueError names the field).
+    token to step n+1 itself). ``num_speculative_tokens`` is how many drafts the worker proposes
+    per request and step: with async scheduling the scheduler reserves that many draft slots with
+    placeholders, as the drafts of step n are still on the worker when step n+1 is scheduled.
+    Validated on construction (ValueError names the field).
     """
 
     max_num_seqs: int = 256
@@ -34,6 +35,7 @@ class SchedulerConfig:
     prefix_caching_hash_algo: str = "sha256"
     enable_kv_events: bool = False  # the engine core reports prefix-cache changes in its outputs
     num_lookahead_tokens: int = 0
+    num_speculative_tokens: int = 0
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -41,15 +43,14 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
-        for name in ("long_prefill_token_threshold", "num_lookahead_tokens"):
+        for name in (
+            "long_prefill_token_threshold",
+            "num_lookahead_tokens",
+            "num_speculative_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
-        if self.async_scheduling and self.num_lookahead_tokens:
-            raise ValueError(
-                "SchedulerConfig.async_scheduling cannot be combined with speculative decoding "
-                "(num_lookahead_tokens > 0): the next step's drafts come from this step's output"
-            )
         if self.policy not in _POLICIES:
             raise ValueError(
                 f"SchedulerConfig.policy must be one of {_POLICIES}, got {self.policy!r}"

@@ -27,6 +27,7 @@ from ember_scheduler.engine_types import (
 )
 from ember_scheduler.kv_transfer import KVTransferScheduling
 from ember_scheduler.outputs import (
+    DRAFT_PLACEHOLDER,
     CachedRequestData,
     Logprobs,
     ModelRunnerOutput,
@@ -68,7 +69,11 @@ class Scheduler:
     ``update_from_output``, where stops apply as usual (a stopped request's one extra step is
     dropped there). A request is not scheduled past ``max_tokens`` or the context with its
     placeholders counted; one preempted with a step in flight still takes that step's token and
-    is resumed only once it has.
+    is resumed only once it has. With speculative decoding (``config.num_speculative_tokens``) a
+    request with a step in flight is scheduled with draft placeholders (the worker holds the
+    drafts it proposed) and its placeholders count that step's drafts as accepted; when the
+    output comes, the rejected ones come off both its placeholders and its computed tokens (the
+    worker takes them off the step it already ran, told by ``num_drafts_in_flight``).
     """
 
     def __init__(
@@ -101,6 +106,8 @@ class Scheduler:
         )
         self._spec_decoding_stats: SpecDecodingStats | None = None
         self.async_scheduling = config.async_scheduling
+        # Draft slots reserved for a request whose drafts are still on the worker.
+        self._num_draft_placeholders = config.num_speculative_tokens if self.async_scheduling else 0
         if self.async_scheduling and kv_connector is not None:
             raise ValueError(
                 "async_scheduling cannot be combined with a KV connector (kv_transfer_config)"
@@ -264,7 +271,7 @@ class Scheduler:
                 self.running[0].request_id, len(self.running)
             )
         if self.async_scheduling:
-            self._add_output_placeholders(num_scheduled_tokens)
+            self._add_output_placeholders(num_scheduled_tokens, spec_decode_tokens)
         finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         kv_connector_metadata = None
@@ -299,6 +306,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         lookahead = self.config.num_lookahead_tokens
         max_num_tokens = self.max_num_tokens
+        draft_placeholders = self._num_draft_placeholders
         running = self.running
         withdrew = False
         index = 0
@@ -319,6 +327,14 @@ class Scheduler:
                     index += 1
                     continue
             spec = request.spec_token_ids
+            if placeholders and draft_placeholders:
+                # as many drafts as max_tokens and the context can take after the step in flight
+                room = min(
+                    request.max_tokens - len(request.output_token_ids) - placeholders,
+                    max_num_tokens - num_known,
+                )
+                room -= 1
+                spec = [DRAFT_PLACEHOLDER] * max(min(draft_placeholders, room), 0)
             num_new = num_known + len(spec) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -362,6 +378,9 @@ class Scheduler:
             cached_reqs.req_ids.append(req_id)
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(num_computed)
+            if draft_placeholders:
+                # at most one step in flight: its own token, then its drafts
+                cached_reqs.num_drafts_in_flight.append(max(placeholders - 1, 0))
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = num_computed + num_new
@@ -374,9 +393,10 @@ class Scheduler:
 
         if withdrew:
             keep = [i for i, r in enumerate(cached_reqs.req_ids) if r in num_scheduled_tokens]
-            for name in ("req_ids", "new_block_ids", "num_computed_tokens"):
+            for name in ("req_ids", "new_block_ids", "num_computed_tokens", "num_drafts_in_flight"):
                 column = getattr(cached_reqs, name)
-                setattr(cached_reqs, name, [column[i] for i in keep])
+                if column:
+                    setattr(cached_reqs, name, [column[i] for i in keep])
         return token_budget
 
     def _schedule_waiting(
@@ -495,19 +515,24 @@ class Scheduler:
         self.waiting.prepend_request(victim)
         return victim, position < current
 
-    def _add_output_placeholders(self, num_scheduled_tokens: dict[str, int]) -> None:
-        """Give a placeholder to each request scheduled to sample: its tokens reach the end of
-        its known tokens (async scheduling; after the whole step, so withdrawn requests have
-        none)."""
+    def _add_output_placeholders(
+        self, num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]]
+    ) -> None:
+        """Give placeholders to each request scheduled to sample: its tokens reach the end of
+        its known tokens and its drafts (async scheduling; after the whole step, so withdrawn
+        requests have none). One for its token, one per draft: drafts count as accepted until
+        the output says otherwise."""
         requests = self.requests
         for req_id in num_scheduled_tokens:
             request = requests[req_id]
             placeholders = request.num_output_placeholders
+            num_drafts = len(spec_decode_tokens.get(req_id, ()))
             if (
-                request.num_computed_tokens == len(request.all_token_ids) + placeholders
+                request.num_computed_tokens
+                == len(request.all_token_ids) + placeholders + num_drafts
                 and request.pooling_params is None
             ):
-                request.num_output_placeholders = placeholders + 1
+                request.num_output_placeholders = placeholders + 1 + num_drafts
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -553,7 +578,9 @@ class Scheduler:
                     self._roll_back_rejected_drafts(
                         request, scheduled_spec.get(req_id), new_token_ids
                     )
-                if spec_token_ids is not None:
+                if spec_token_ids is not None and request.num_output_placeholders:
+                    request.spec_token_ids = []  # the step in flight took them (async)
+                elif spec_token_ids is not None:
                     # drafts to verify next step, no more than max_tokens and the context can
                     # still take with the target's own token after them
                     room = min(
@@ -692,11 +719,16 @@ class Scheduler:
         self, request: Request, drafts: list[int] | None, new_token_ids: list[int]
     ) -> None:
         """Uncount the KV of rejected draft tokens, so the next step recomputes from the first,
-        and count the drafts for metrics."""
+        and count the drafts for metrics. Under async scheduling they leave the placeholders
+        too; a request preempted since has no computed tokens to uncount."""
         if not drafts:
             return
         num_accepted = len(new_token_ids) - 1
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        num_rejected = len(drafts) - num_accepted
+        if request.status == _RUNNING:
+            request.num_computed_tokens -= num_rejected
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= num_rejected
         if self._spec_decoding_stats is None:
             self._spec_decoding_stats = SpecDecodingStats()
         self._spec_decoding_stats.observe(len(drafts), num_accepted)
