@@ -35,6 +35,13 @@ _GRAMMAR_WAIT_S = 0.01
 _BATCH_QUEUE_DEPTH = 2
 
 
+class StepThreadCounts(Protocol):
+    """How many threads a step runs with: ``large`` for large steps, ``small`` for the others."""
+
+    large: int
+    small: int
+
+
 class Executor(Protocol):
     """What the engine core drives: owns the workers, the model and the KV cache tensors."""
 
@@ -54,6 +61,17 @@ class Executor(Protocol):
     @property
     def kv_transfer_store(self) -> TieredKVStore | None:
         """The worker's KV tier store when built with a ``kv_transfer_config``, else None."""
+        ...
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles the structured-output grammars of the ranks' matchers (None: it has none)."""
+        ...
+
+    @property
+    def step_threads(self) -> StepThreadCounts | None:
+        """The thread counts of steps that run in this process, which the caller may change
+        between steps; None where the steps run in other processes."""
         ...
 
     def execute_model(

@@ -17,10 +17,12 @@ def make_executor(
     device: str | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
 ):
-    """An ``Executor`` for ``config``: ``backend`` None picks "uni" for one rank, else "mp".
+    """An ``Executor`` running ``config``'s ``Worker`` on each rank: ``backend`` None picks "uni"
+    (in process) for one rank, else "mp". ``kv_transfer_config``, when given, replaces
+    ``config.kv_transfer``.
 
-    A KV connector (``kv_transfer_config``) runs in process or with "mp" (each rank its own
-    shard); "ray" refuses it."""
+    A KV connector runs in process or with "mp" (each rank its own shard); "ray" refuses it.
+    Speculative decoding runs in process only."""
     world = config.parallel.world_size
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -28,26 +30,22 @@ def make_executor(
         raise ValueError(
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
         )
+    if kv_transfer_config is not None:
+        config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())
     if backend == "uni":
-        if world > 1:
-            raise ValueError(
-                f"distributed_executor_backend 'uni' runs one rank; tensor x pipeline parallel "
-                f"size is {world} (use 'mp' or 'ray')"
-            )
         from ember_worker.executor import InProcessExecutor
 
-        settings = msgspec.structs.asdict(config)
-        del settings["parallel"]
-        return InProcessExecutor(
-            settings.pop("model"), device=device, kv_transfer_config=kv_transfer_config, **settings
+        return InProcessExecutor(config, device=device)
+    if config.speculative_config is not None:
+        raise ValueError(
+            "speculative_config needs the in-process executor (one rank); it is not implemented "
+            "with worker processes or Ray"
         )
-    if kv_transfer_config is not None:
-        if backend == "ray":
-            raise ValueError(
-                "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
-                "(use 'mp')"
-            )
-        config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())
+    if config.kv_transfer is not None and backend == "ray":
+        raise ValueError(
+            "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
+            "(use 'mp')"
+        )
     if backend == "mp":
         from ember_worker.distributed.mp_executor import MultiprocExecutor
 

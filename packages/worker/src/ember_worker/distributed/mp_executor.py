@@ -57,6 +57,7 @@ class MultiprocExecutor:
                 )
         self.config = config
         self.block_size = config.block_size
+        self.step_threads = None  # the ranks set their own threads, in their processes
         self.kv_transfer_store: TieredKVStore | None = None  # the scheduler side's lookups
         self._world_size = parallel.world_size
         self._output_rank = parallel.output_rank

@@ -76,6 +76,7 @@ class RayExecutor:
             ray.init()
         self.config = config
         self.block_size = config.block_size
+        self.step_threads = None  # the ranks set their own threads, in their processes
         self.kv_transfer_store = None  # KV connectors run with one rank only
         parallel = config.parallel
         self._output_rank = parallel.output_rank

@@ -1,9 +1,11 @@
-"""One rank's worker: its shard of the model, its share of the KV cache and its model runner.
+"""One rank's worker: its shard of the model, its share of the KV cache, its model runner, its KV
+connector and its grammar matchers.
 
-Every executor builds its ranks from the same ``WorkerConfig``: the in-process executor runs one
-``Worker`` itself; the multiprocess and Ray executors run one per rank elsewhere. Start-up is in
-two steps because the ranks must agree on the KV block count: each reports how many blocks its
-budget holds, then all allocate the smallest.
+``Worker`` is the only rank implementation: the in-process executor runs one in the engine
+core's process (with the step thread), the multiprocess and Ray executors one per rank elsewhere,
+all built from the same ``WorkerConfig``. Start-up is in two steps because the ranks must agree
+on the KV block count: each reports how many blocks its budget holds, then all allocate the
+smallest.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import dataclasses
 import msgspec
 import torch
 
-from ember_kv_cache import KVTransferConfig, LayoutFingerprint
+from ember_kv_cache import KVTransferConfig, LayoutFingerprint, TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from ember_worker.distributed.groups import ParallelConfig, RankGroups
+from ember_spec_decode import SpeculativeConfig
+from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
 from ember_worker.hf_config import load_hf_config, resolve_model_path
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
+from ember_worker.step_threads import LARGE_STEP_MIN_TOKENS, StepThreads
 from ember_worker.structured_outputs import XGrammarCompiler
 
 
@@ -30,9 +34,12 @@ class WorkerConfig(msgspec.Struct, frozen=True):
 
     ``kv_cache_memory`` is each rank's budget in bytes (required on the CPU; on a GPU,
     ``gpu_memory_utilization`` of the memory left free by the model when it is None).
-    ``num_threads`` sets each rank's torch intra-op threads; None leaves them alone.
-    ``kv_transfer`` is vLLM's ``kv_transfer_config`` dict: each rank then moves its own shard of
-    the KV chunks, keyed with its tensor-parallel rank's layout fingerprint.
+    ``num_threads`` sets each rank's torch intra-op threads for steps of at least
+    ``large_step_min_tokens`` scheduled tokens, ``small_num_threads`` (default: the same) for
+    smaller ones (``StepThreads``); None leaves them alone. ``kv_transfer`` is vLLM's
+    ``kv_transfer_config`` dict: each rank then moves its own shard of the KV chunks, keyed with
+    its layout fingerprint and ``prefix_caching_hash_algo``'s chain hashes (the scheduler's).
+    ``speculative_config`` makes the runner verify drafts (and load the draft model).
     """
 
     model: str
@@ -46,19 +53,20 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     num_threads: int | None = None
+    small_num_threads: int | None = None
+    large_step_min_tokens: int = LARGE_STEP_MIN_TOKENS
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: dict | None = None
     prefix_caching_hash_algo: str = "sha256"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_threads is not None and (
-            not isinstance(self.num_threads, int) or self.num_threads < 1
-        ):
-            raise ValueError(f"num_threads must be a positive int, got {self.num_threads!r}")
+        if self.num_threads is not None:
+            StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
         if self.kv_transfer is not None:
             KVTransferConfig.from_dict(self.kv_transfer)
             if self.parallel.pipeline_parallel_size > 1:
@@ -67,34 +75,54 @@ class WorkerConfig(msgspec.Struct, frozen=True):
                     "(tensor parallelism only)"
                 )
 
+    def step_threads(self) -> StepThreads | None:
+        """A fresh ``StepThreads`` of these counts (None when ``num_threads`` is None)."""
+        if self.num_threads is None:
+            return None
+        return StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
+
 
 class WorkerFailedError(RuntimeError):
     """A worker rank raised, exited or could not start; the message names the rank."""
 
 
 class Worker:
-    """Loads this rank's part of the model; ``initialize_kv_cache`` then ``execute_model``."""
+    """One rank: loads its part of the model, then ``initialize_kv_cache`` and ``execute_model``.
 
-    def __init__(self, config: WorkerConfig, groups: RankGroups, device: torch.device) -> None:
+    ``groups`` (default: a single rank) are its tensor-parallel group and pipeline stage;
+    ``device`` defaults to the GPU when there is one. ``step_threads`` holds the thread counts
+    its steps run with (changeable between steps, in this process); ``grammar_compiler``
+    compiles the structured-output grammars its matchers use.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        groups: RankGroups | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        groups = single_rank_groups() if groups is None else groups
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = config
-        self.device = device
+        self.device = torch.device(device)
         self.tp_rank = groups.tp.rank
-        if config.num_threads is not None:
-            # torch's intra-op threads are process-wide; on a small or shared CPU one thread is
-            # often fastest for a tiny model (thread wake-ups cost more than the matmuls).
-            torch.set_num_threads(config.num_threads)
+        self.step_threads = config.step_threads()
+        if self.step_threads is not None:
+            # torch's intra-op threads are process-wide; loading and warm-up take the large count.
+            torch.set_num_threads(self.step_threads.large)
         torch.manual_seed(config.seed)
         self.loaded = load_model(
             config.model,
             dtype=config.dtype,
-            device=device,
+            device=self.device,
             tp=groups.tp,
             pp=groups.pp,
             pack_weights=True,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len
-        if not 0 < max_model_len <= limit:
+        if not isinstance(max_model_len, int) or not 0 < max_model_len <= limit:
             raise ValueError(
                 f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
                 f"got {max_model_len}"
@@ -107,26 +135,33 @@ class Worker:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size,
-            device=device,
+            device=self.device,
             grammar_compiler=self.grammar_compiler,
+            speculative_config=config.speculative_config,
             pp=groups.pp,
+            step_threads=self.step_threads,
         )
+        self.kv_transfer_store: TieredKVStore | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
 
     def num_available_blocks(self) -> int:
-        """KV blocks this rank's budget holds."""
+        """KV blocks this rank's budget holds (a draft model's KV shares them)."""
         budget = kv_cache_budget(
             self.device, self.config.kv_cache_memory, self.config.gpu_memory_utilization
         )
-        return self.model_runner.kv_cache_spec.num_blocks_for(budget)
+        return self.model_runner.num_kv_blocks_for(budget)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.config.kv_transfer is not None:
             config = KVTransferConfig.from_dict(self.config.kv_transfer)
             spec = self.model_runner.kv_cache_spec
-            store = config.make_store(self.kv_layout_fingerprint())
+            self.kv_transfer_store = config.make_store(self.kv_layout_fingerprint())
             self.model_runner.register_kv_connector(
-                TieredConnectorWorker(store, spec, config.chunk_size)
+                TieredConnectorWorker(self.kv_transfer_store, spec, config.chunk_size)
             )
 
     def kv_layout_fingerprint(self) -> LayoutFingerprint:
@@ -151,13 +186,15 @@ class Worker:
         del fields["digest"]  # derived from the others
         return fields
 
-    def shutdown(self) -> None:
-        """Stop the KV connector's transfers (the tier store's files and connections)."""
-        if self.model_runner.kv_connector is not None:
-            self.model_runner.kv_connector.shutdown()
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's transfers (the tier store's files and connections) and the
+        grammar compiler's threads."""
+        if self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
+        self.grammar_compiler.shutdown()
 
 
 def model_vocab_size(model: str) -> int:
