@@ -94,9 +94,11 @@ def test_draft_model_greedy_parity(arch):
 def test_async_scheduling_greedy_parity(proposer):
     config = NGRAM if proposer == "ngram" else one_layer_draft("llama")
     core = make_engine(
-        "llama", speculative_config=config, async_scheduling=True, max_num_batched_tokens=40
+        "llama", speculative_config=config, async_scheduling=True, **dict(COMBINED, num_blocks=40)
     )
     outputs, totals = run(core, parity_prompts(), greedy)
+    # preempted with a step in flight, a request resumes without the drafts that step proposed
+    assert totals["num_preemptions"] > 0
     # drafts were rejected: the worker's and the scheduler's rollbacks were exercised
     assert totals["num_accepted_tokens"] < totals["num_draft_tokens"]
     if proposer == "ngram":

@@ -262,6 +262,8 @@ class FakeExecutor:
         if drafts and drafts[0] == DRAFT_PLACEHOLDER:
             held = self.requests[req_id].drafts[: len(drafts)]
             return num_tokens - (len(drafts) - len(held)), held
+        # Drafts the scheduler learned from an output: what this worker proposed (or a prefix).
+        assert drafts == self.requests[req_id].drafts[: len(drafts)], f"{req_id}: stale drafts"
         return num_tokens, drafts
 
     def _write_kv(

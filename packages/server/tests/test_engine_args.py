@@ -48,11 +48,13 @@ def test_async_scheduling_default_and_the_settings_it_refuses():
     assert EngineArgs.from_cli_args(on).use_async_scheduling
     assert EngineArgs(model="/m").use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
     spec = {"method": "ngram", "num_speculative_tokens": 2}
+    # Speculative decoding composes with it: its default stands, and it may be asked for.
+    with_spec = EngineArgs(model="/m", speculative_config=spec)
+    assert with_spec.use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
+    assert EngineArgs(
+        model="/m", speculative_config=spec, async_scheduling=True
+    ).use_async_scheduling
     # Left to its default, async scheduling turns itself off where it is not supported ...
-    assert not EngineArgs(model="/m", speculative_config=spec).use_async_scheduling
-    # ... and asked for, it is refused naming both settings.
-    with pytest.raises(ValueError, match=r"async_scheduling.*speculative_config"):
-        EngineArgs(model="/m", speculative_config=spec, async_scheduling=True)
     tiers = {"kv_connector": "TieredConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"tiers": [{"type": "cpu", "max_bytes": 1 << 20}]}}  # fmt: skip
     assert not EngineArgs(model="/m", kv_transfer_config=tiers).use_async_scheduling

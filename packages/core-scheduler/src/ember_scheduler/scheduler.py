@@ -578,8 +578,12 @@ class Scheduler:
                     self._roll_back_rejected_drafts(
                         request, scheduled_spec.get(req_id), new_token_ids
                     )
-                if spec_token_ids is not None and request.num_output_placeholders:
-                    request.spec_token_ids = []  # the step in flight took them (async)
+                if spec_token_ids is not None and (
+                    request.num_output_placeholders or status != _RUNNING
+                ):
+                    # async: the step in flight took them, or the request was preempted (it
+                    # resumes without drafts)
+                    request.spec_token_ids = []
                 elif spec_token_ids is not None:
                     # drafts to verify next step, no more than max_tokens and the context can
                     # still take with the target's own token after them

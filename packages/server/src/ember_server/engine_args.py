@@ -152,8 +152,6 @@ class EngineArgs:
 
     def _async_conflict(self) -> str | None:
         """The setting async scheduling does not support, if one is set."""
-        if self.speculative_config is not None:
-            return "speculative_config (the next step's drafts come from this step's output)"
         if self.kv_transfer_config is not None:
             return "kv_transfer_config (the KV connector's loads and saves are per step)"
         return None
@@ -221,8 +219,7 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=None,
             help="Schedule the next step while the model runs this one. Default: "
-            f"{'on' if DEFAULT_ASYNC_SCHEDULING else 'off'}, and off with speculative decoding or "
-            "a KV connector.",
+            f"{'on' if DEFAULT_ASYNC_SCHEDULING else 'off'}, and off with a KV connector.",
         )
         group.add_argument(
             "--served-model-name", default=None, help="Model name in the API (default: --model)."

@@ -132,6 +132,9 @@ def make_scheduler_config(args: EngineArgs, model_config: ModelConfig) -> Schedu
         num_lookahead_tokens=(
             args.speculative_config.num_lookahead_tokens if args.speculative_config else 0
         ),
+        num_speculative_tokens=(
+            args.speculative_config.num_speculative_tokens if args.speculative_config else 0
+        ),
         # Data-parallel front ends route by what each engine's prefix cache holds.
         enable_kv_events=args.data_parallel_size > 1 and args.enable_prefix_caching,
         async_scheduling=args.use_async_scheduling,
