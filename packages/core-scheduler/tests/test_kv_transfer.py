@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from fake_executor import FakeExecutor, make_request, reference_output, run_to_completion
 
 from ember_kv_cache import CPUTier, KVTransferConfig, LayoutFingerprint, TieredKVStore
@@ -157,3 +158,10 @@ def test_abort_after_the_load_before_the_first_step_frees_the_blocks():
     run_to_completion(engine)
     assert executor.scheduler_outputs[1].kv_connector_metadata.discards == ["r"]
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_hasher_that_differs_from_the_store_keys_is_refused():
+    # The chunks' keys are chain hashes: a scheduler hashing with another algorithm would never
+    # find what the workers stored.
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo 'xxhash64' differs"):
+        _engine(_store(), prefix_caching_hash_algo="xxhash64")

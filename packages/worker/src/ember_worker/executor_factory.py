@@ -1,11 +1,17 @@
-"""Pick the executor for a worker configuration: in process, one process per rank, or Ray."""
+"""Pick the executor for a worker configuration: in process, one process per rank, or Ray.
+
+Imports no torch until an executor is made: the API server reads ``EXECUTOR_BACKENDS``.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from ember_kv_cache import KVTransferConfig
-from ember_worker.distributed.worker import WorkerConfig
+if TYPE_CHECKING:
+    from ember_kv_cache import KVTransferConfig
+    from ember_worker.distributed.worker import WorkerConfig
 
 # As vLLM's distributed_executor_backend: one rank in process, one process per rank, Ray actors.
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -15,7 +15,19 @@ import dataclasses
 import msgspec
 import torch
 
-from ember_kv_cache import KVTransferConfig, LayoutFingerprint, TieredKVStore
+from ember_kv_cache import (
+    DEFAULT_HASH_ALGO,
+    HASH_ALGOS,
+    KVTransferConfig,
+    LayoutFingerprint,
+    TieredKVStore,
+)
+from ember_scheduler.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    check_int,
+)
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
@@ -46,9 +58,9 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     tokenizer: str | None = None  # for structured outputs' grammars; None: the model's folder
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
@@ -57,14 +69,22 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     large_step_min_tokens: int = LARGE_STEP_MIN_TOKENS
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: dict | None = None
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
+        check_int("kv_cache_memory", self.kv_cache_memory, optional=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
         if self.num_threads is not None:
             StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
         if self.kv_transfer is not None:
@@ -172,6 +192,7 @@ class Worker:
             KVTransferConfig.from_dict(self.config.kv_transfer),
             self.config.prefix_caching_hash_algo,
             self.tp_rank,
+            self.loaded.model.local_layers.start,
         )
 
     @property
