@@ -58,9 +58,10 @@ def test_async_scheduling_default_and_the_settings_it_refuses():
         EngineArgs(model="/m", speculative_config=spec, async_scheduling=True)
     tiers = {"kv_connector": "TieredConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"tiers": [{"type": "cpu", "max_bytes": 1 << 20}]}}  # fmt: skip
-    assert not EngineArgs(model="/m", kv_transfer_config=tiers).use_async_scheduling
-    with pytest.raises(ValueError, match=r"async_scheduling.*kv_transfer_config"):
-        EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True)
+    # A KV connector composes with it (tests/test_kv_connectors.py checks the tokens).
+    with_connector = EngineArgs(model="/m", kv_transfer_config=tiers)
+    assert with_connector.use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
+    assert EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True).async_scheduling
     with pytest.raises(ValueError, match=r"EngineArgs\.async_scheduling"):
         EngineArgs(model="/m", async_scheduling="yes")
 

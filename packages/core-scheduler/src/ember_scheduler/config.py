@@ -24,9 +24,7 @@ def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> 
         raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
-def async_scheduling_conflict(
-    *, speculative_decoding: bool = False, kv_connector: bool = False
-) -> str | None:
+def async_scheduling_conflict(*, speculative_decoding: bool = False) -> str | None:
     """Why async scheduling cannot run with these settings, or None when it can (the one
     place that says which combinations are impossible)."""
     if speculative_decoding:
@@ -34,8 +32,6 @@ def async_scheduling_conflict(
             "speculative decoding (speculative_config): the next step's drafts come from this "
             "step's output"
         )
-    if kv_connector:
-        return "a KV connector (kv_transfer_config): its loads and saves are per step"
     return None
 
 

@@ -198,7 +198,9 @@ class EngineCore:
         if len(queue) < _BATCH_QUEUE_DEPTH:
             if not scheduler.running and not scheduler.waiting and not queue:
                 scheduler.poll_grammars(_GRAMMAR_WAIT_S)
-            if scheduler.running or scheduler.waiting:
+            # With only KV transfers pending, an empty step lets the workers report them.
+            transfers_only = not queue and scheduler.has_kv_transfers()
+            if scheduler.running or scheduler.waiting or transfers_only:
                 scheduler_output = scheduler.schedule()
                 queue.append(
                     (

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
 from ember_kv_cache import KVCacheManager, TieredConnectorScheduler
-from ember_scheduler.config import SchedulerConfig, async_scheduling_conflict
+from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -101,9 +101,6 @@ class Scheduler:
         )
         self._spec_decoding_stats: SpecDecodingStats | None = None
         self.async_scheduling = config.async_scheduling
-        conflict = async_scheduling_conflict(kv_connector=kv_connector is not None)
-        if self.async_scheduling and conflict is not None:
-            raise ValueError(f"async_scheduling cannot be combined with {conflict}")
 
     # ---------------------------------------------------------------- requests in and out
 

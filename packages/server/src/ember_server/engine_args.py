@@ -142,10 +142,7 @@ class EngineArgs:
     def _async_conflict(self) -> str | None:
         """What async scheduling cannot be combined with among these settings, if anything
         (``ember_scheduler.config.async_scheduling_conflict`` says which combinations)."""
-        return async_scheduling_conflict(
-            speculative_decoding=self.speculative_config is not None,
-            kv_connector=self.kv_transfer_config is not None,
-        )
+        return async_scheduling_conflict(speculative_decoding=self.speculative_config is not None)
 
     @property
     def use_async_scheduling(self) -> bool:
