@@ -27,8 +27,8 @@ def make_executor(
     (in process) for one rank, else "mp". ``kv_transfer_config``, when given, replaces
     ``config.kv_transfer``.
 
-    A KV connector runs in process or with "mp" (each rank its own shard); "ray" refuses it.
-    Speculative decoding runs in process only."""
+    A KV connector runs with every backend (each rank its own shard). Speculative decoding runs
+    in process only."""
     world = config.parallel.world_size
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -46,11 +46,6 @@ def make_executor(
         raise ValueError(
             "speculative_config needs the in-process executor (one rank); it is not implemented "
             "with worker processes or Ray"
-        )
-    if config.kv_transfer is not None and backend == "ray":
-        raise ValueError(
-            "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
-            "(use 'mp')"
         )
     if backend == "mp":
         from ember_worker.distributed.mp_executor import MultiprocExecutor

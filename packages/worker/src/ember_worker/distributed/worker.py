@@ -22,6 +22,7 @@ from ember_kv_cache import (
     LayoutFingerprint,
     TieredKVStore,
 )
+from ember_kv_cache.rank_outputs import RankOutputCombiner
 from ember_scheduler.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -89,11 +90,6 @@ class WorkerConfig(msgspec.Struct, frozen=True):
             StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
         if self.kv_transfer is not None:
             KVTransferConfig.from_dict(self.kv_transfer)
-            if self.parallel.pipeline_parallel_size > 1:
-                raise ValueError(
-                    "kv_transfer_config is not implemented with pipeline_parallel_size > 1 "
-                    "(tensor parallelism only)"
-                )
 
     def step_threads(self) -> StepThreads | None:
         """A fresh ``StepThreads`` of these counts (None when ``num_threads`` is None)."""
@@ -112,7 +108,8 @@ class Worker:
     ``groups`` (default: a single rank) are its tensor-parallel group and pipeline stage;
     ``device`` defaults to the GPU when there is one. ``step_threads`` holds the thread counts
     its steps run with (changeable between steps, in this process); ``grammar_compiler``
-    compiles the structured-output grammars its matchers use.
+    compiles the structured-output grammars its matchers use (None on a pipeline stage before
+    the last: it samples nothing).
     """
 
     def __init__(
@@ -148,7 +145,12 @@ class Worker:
                 f"got {max_model_len}"
             )
         self.max_model_len = max_model_len
-        self.grammar_compiler = make_grammar_compiler(config, self.loaded.config.vocab_size)
+        # Only the last stage samples: its ranks compile the grammars their matchers use.
+        self.grammar_compiler = (
+            XGrammarCompiler(config.tokenizer or config.model, self.loaded.config.vocab_size)
+            if groups.pp.is_last
+            else None
+        )
         self.model_runner = ModelRunner(
             self.loaded,
             max_model_len=max_model_len,
@@ -215,17 +217,45 @@ class Worker:
         grammar compiler's threads."""
         if self.model_runner.kv_connector is not None:
             self.model_runner.kv_connector.shutdown()
-        self.grammar_compiler.shutdown()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
+
+
+class RankAnswers:
+    """Which ranks send their output back each step, and how their outputs become the one the
+    engine core sees: the output rank's, with every rank's KV connector report combined (with a
+    KV connector every rank answers, since each loads and saves its own shard)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        parallel = config.parallel
+        self.ranks = (
+            list(range(parallel.world_size)) if config.kv_transfer else [parallel.output_rank]
+        )
+        self._output_index = self.ranks.index(parallel.output_rank)
+        self._combiner = RankOutputCombiner(len(self.ranks))
+
+    def merge(self, outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """One step's output from the answering ranks' (in ``ranks`` order)."""
+        output = outputs[self._output_index]
+        if len(outputs) > 1:
+            output.kv_connector_output = self._combiner.combine(
+                [rank_output.kv_connector_output for rank_output in outputs]
+            )
+        return output
+
+
+def scheduler_side_store(config: WorkerConfig, fingerprint_fields: dict | None):
+    """The KV tier store for the scheduler's lookups in the engine core's process, keyed as
+    rank 0's shard (``Worker.kv_fingerprint_fields``); None without a connector."""
+    if config.kv_transfer is None:
+        return None
+    store_config = KVTransferConfig.from_dict(config.kv_transfer)
+    return store_config.make_store(LayoutFingerprint(**fingerprint_fields))
 
 
 def model_vocab_size(model: str) -> int:
     """The vocabulary size in a model folder's config (for executors that load no weights)."""
     return DecoderConfig.from_hf_config(load_hf_config(resolve_model_path(model))).vocab_size
-
-
-def make_grammar_compiler(config: WorkerConfig, vocab_size: int) -> XGrammarCompiler:
-    """The structured-output grammar compiler of ``config``'s tokenizer (each process its own)."""
-    return XGrammarCompiler(config.tokenizer or config.model, vocab_size)
 
 
 def rank_device(rank: int, device: str | None) -> torch.device:
