@@ -128,6 +128,11 @@ class EngineCore:
             if store is None:
                 raise ValueError("kv_transfer_config needs an executor built with the same config")
             hasher = self.kv_cache_manager.hasher
+            if store.fingerprint.hash_algo != hasher.algo:
+                raise ValueError(
+                    f"prefix_caching_hash_algo {hasher.algo!r} differs from the one that keys the "
+                    f"executor's KV tier store ({store.fingerprint.hash_algo!r}); give both the same"
+                )
             connector = TieredConnectorScheduler(kv_transfer_config, store, hasher)
         self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler, connector)
         # Steps handed to the executor whose outputs are not applied yet (async scheduling).
@@ -193,7 +198,9 @@ class EngineCore:
         if len(queue) < _BATCH_QUEUE_DEPTH:
             if not scheduler.running and not scheduler.waiting and not queue:
                 scheduler.poll_grammars(_GRAMMAR_WAIT_S)
-            if scheduler.running or scheduler.waiting:
+            # With only KV transfers pending, an empty step lets the workers report them.
+            transfers_only = not queue and scheduler.has_kv_transfers()
+            if scheduler.running or scheduler.waiting or transfers_only:
                 scheduler_output = scheduler.schedule()
                 queue.append(
                     (

@@ -108,10 +108,6 @@ class Scheduler:
         self.async_scheduling = config.async_scheduling
         # Draft slots reserved for a request whose drafts are still on the worker.
         self._num_draft_placeholders = config.num_speculative_tokens if self.async_scheduling else 0
-        if self.async_scheduling and kv_connector is not None:
-            raise ValueError(
-                "async_scheduling cannot be combined with a KV connector (kv_transfer_config)"
-            )
 
     # ---------------------------------------------------------------- requests in and out
 

@@ -77,10 +77,10 @@ def make_engine_core(
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
     worker_config = make_worker_config(args, model_config, kv_cache_memory, served=served)
     executor = make_executor(worker_config, args.distributed_executor_backend)
+    scheduler_config = make_scheduler_config(args, model_config)
     engine_core = EngineCore(
-        executor, make_scheduler_config(args, model_config), executor.grammar_compiler,
-        args.kv_transfer,
-    )  # fmt: skip
+        executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
+    )
     return engine_core, fit_max_model_len(args, model_config, engine_core, kv_cache_memory)
 
 
@@ -102,6 +102,9 @@ def make_worker_config(
         # The ranks share this process's cores, each with the same count for every step.
         step_threads = StepThreads(max(1, step_threads.small // parallel.world_size))
     kv_transfer = args.kv_transfer
+    optional = {}
+    if args.gpu_memory_utilization is not None:  # else the worker's default, the only one
+        optional["gpu_memory_utilization"] = args.gpu_memory_utilization
     return WorkerConfig(
         args.model,
         tokenizer=model_config.tokenizer,
@@ -118,6 +121,8 @@ def make_worker_config(
         parallel=parallel,
         kv_transfer=None if kv_transfer is None else kv_transfer.as_dict(),
         speculative_config=args.speculative_config,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        **optional,
     )
 
 
@@ -128,6 +133,7 @@ def make_scheduler_config(args: EngineArgs, model_config: ModelConfig) -> Schedu
         max_num_batched_tokens=model_config.max_num_batched_tokens,
         max_model_len=model_config.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         policy=args.scheduling_policy,
         num_lookahead_tokens=(
             args.speculative_config.num_lookahead_tokens if args.speculative_config else 0

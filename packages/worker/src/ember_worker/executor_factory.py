@@ -1,11 +1,17 @@
-"""Pick the executor for a worker configuration: in process, one process per rank, or Ray."""
+"""Pick the executor for a worker configuration: in process, one process per rank, or Ray.
+
+Imports no torch until an executor is made: the API server reads ``EXECUTOR_BACKENDS``.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from ember_kv_cache import KVTransferConfig
-from ember_worker.distributed.worker import WorkerConfig
+if TYPE_CHECKING:
+    from ember_kv_cache import KVTransferConfig
+    from ember_worker.distributed.worker import WorkerConfig
 
 # As vLLM's distributed_executor_backend: one rank in process, one process per rank, Ray actors.
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -21,7 +27,7 @@ def make_executor(
     (in process) for one rank, else "mp". ``kv_transfer_config``, when given, replaces
     ``config.kv_transfer``.
 
-    A KV connector runs in process or with "mp" (each rank its own shard); "ray" refuses it."""
+    A KV connector and speculative decoding run with every backend (each rank its own shard)."""
     world = config.parallel.world_size
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -35,11 +41,6 @@ def make_executor(
         from ember_worker.executor import InProcessExecutor
 
         return InProcessExecutor(config, device=device)
-    if config.kv_transfer is not None and backend == "ray":
-        raise ValueError(
-            "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
-            "(use 'mp')"
-        )
     if backend == "mp":
         from ember_worker.distributed.mp_executor import MultiprocExecutor
 

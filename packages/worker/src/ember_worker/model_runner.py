@@ -121,12 +121,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's outputs; None on a pipeline stage other than the last."""
+        """The step's outputs; on a pipeline stage other than the last, None, or with a KV
+        connector an output holding only its connector's report."""
         connector = self.kv_connector
         if connector is None:
             return self._execute_model(scheduler_output)
         connector.start_step(scheduler_output.kv_connector_metadata)
         output = self._execute_model(scheduler_output)
+        if output is None:  # a stage before the last: it reports only its own transfers
+            output = ModelRunnerOutput([], {}, [])
         idle = scheduler_output.total_num_scheduled_tokens == 0
         output.kv_connector_output = connector.finish_step(idle)
         return output
@@ -288,6 +291,8 @@ class ModelRunner:
 
     def _add_grammar_matcher(self, new_req: NewRequestData) -> None:
         """A matcher for a constrained request; its grammar ends at its EOS or stop tokens."""
+        if self.grammar_matchers is None and not self.pp.is_last:
+            return  # a stage before the last samples nothing
         if self.grammar_matchers is None:
             raise ValueError(
                 f"request {new_req.req_id!r} has structured_outputs, but this model runner has "

@@ -15,7 +15,20 @@ import dataclasses
 import msgspec
 import torch
 
-from ember_kv_cache import KVTransferConfig, LayoutFingerprint, TieredKVStore
+from ember_kv_cache import (
+    DEFAULT_HASH_ALGO,
+    HASH_ALGOS,
+    KVTransferConfig,
+    LayoutFingerprint,
+    TieredKVStore,
+)
+from ember_kv_cache.rank_outputs import RankOutputCombiner
+from ember_scheduler.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    check_int,
+)
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
@@ -46,9 +59,9 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     tokenizer: str | None = None  # for structured outputs' grammars; None: the model's folder
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
@@ -57,23 +70,26 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     large_step_min_tokens: int = LARGE_STEP_MIN_TOKENS
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: dict | None = None
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
+        check_int("kv_cache_memory", self.kv_cache_memory, optional=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
         if self.num_threads is not None:
             StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
         if self.kv_transfer is not None:
             KVTransferConfig.from_dict(self.kv_transfer)
-            if self.parallel.pipeline_parallel_size > 1:
-                raise ValueError(
-                    "kv_transfer_config is not implemented with pipeline_parallel_size > 1 "
-                    "(tensor parallelism only)"
-                )
 
     def step_threads(self) -> StepThreads | None:
         """A fresh ``StepThreads`` of these counts (None when ``num_threads`` is None)."""
@@ -92,7 +108,8 @@ class Worker:
     ``groups`` (default: a single rank) are its tensor-parallel group and pipeline stage;
     ``device`` defaults to the GPU when there is one. ``step_threads`` holds the thread counts
     its steps run with (changeable between steps, in this process); ``grammar_compiler``
-    compiles the structured-output grammars its matchers use.
+    compiles the structured-output grammars its matchers use (None on a pipeline stage before
+    the last: it samples nothing).
     """
 
     def __init__(
@@ -128,7 +145,12 @@ class Worker:
                 f"got {max_model_len}"
             )
         self.max_model_len = max_model_len
-        self.grammar_compiler = make_grammar_compiler(config, self.loaded.config.vocab_size)
+        # Only the last stage samples: its ranks compile the grammars their matchers use.
+        self.grammar_compiler = (
+            XGrammarCompiler(config.tokenizer or config.model, self.loaded.config.vocab_size)
+            if groups.pp.is_last
+            else None
+        )
         self.model_runner = ModelRunner(
             self.loaded,
             max_model_len=max_model_len,
@@ -172,6 +194,7 @@ class Worker:
             KVTransferConfig.from_dict(self.config.kv_transfer),
             self.config.prefix_caching_hash_algo,
             self.tp_rank,
+            self.loaded.model.local_layers.start,
         )
 
     @property
@@ -194,17 +217,45 @@ class Worker:
         grammar compiler's threads."""
         if self.model_runner.kv_connector is not None:
             self.model_runner.kv_connector.shutdown()
-        self.grammar_compiler.shutdown()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
+
+
+class RankAnswers:
+    """Which ranks send their output back each step, and how their outputs become the one the
+    engine core sees: the output rank's, with every rank's KV connector report combined (with a
+    KV connector every rank answers, since each loads and saves its own shard)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        parallel = config.parallel
+        self.ranks = (
+            list(range(parallel.world_size)) if config.kv_transfer else [parallel.output_rank]
+        )
+        self._output_index = self.ranks.index(parallel.output_rank)
+        self._combiner = RankOutputCombiner(len(self.ranks))
+
+    def merge(self, outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """One step's output from the answering ranks' (in ``ranks`` order)."""
+        output = outputs[self._output_index]
+        if len(outputs) > 1:
+            output.kv_connector_output = self._combiner.combine(
+                [rank_output.kv_connector_output for rank_output in outputs]
+            )
+        return output
+
+
+def scheduler_side_store(config: WorkerConfig, fingerprint_fields: dict | None):
+    """The KV tier store for the scheduler's lookups in the engine core's process, keyed as
+    rank 0's shard (``Worker.kv_fingerprint_fields``); None without a connector."""
+    if config.kv_transfer is None:
+        return None
+    store_config = KVTransferConfig.from_dict(config.kv_transfer)
+    return store_config.make_store(LayoutFingerprint(**fingerprint_fields))
 
 
 def model_vocab_size(model: str) -> int:
     """The vocabulary size in a model folder's config (for executors that load no weights)."""
     return DecoderConfig.from_hf_config(load_hf_config(resolve_model_path(model))).vocab_size
-
-
-def make_grammar_compiler(config: WorkerConfig, vocab_size: int) -> XGrammarCompiler:
-    """The structured-output grammar compiler of ``config``'s tokenizer (each process its own)."""
-    return XGrammarCompiler(config.tokenizer or config.model, vocab_size)
 
 
 def rank_device(rank: int, device: str | None) -> torch.device:
