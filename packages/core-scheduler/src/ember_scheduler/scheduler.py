@@ -18,16 +18,15 @@ from concurrent.futures import wait as wait_futures
 
 from ember_kv_cache import KVCacheManager, TieredConnectorScheduler
 from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.draft_scheduling import DraftScheduling
 from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     SchedulerStats,
-    SpecDecodingStats,
 )
 from ember_scheduler.kv_transfer import KVTransferScheduling
 from ember_scheduler.outputs import (
-    DRAFT_PLACEHOLDER,
     CachedRequestData,
     Logprobs,
     ModelRunnerOutput,
@@ -69,11 +68,7 @@ class Scheduler:
     ``update_from_output``, where stops apply as usual (a stopped request's one extra step is
     dropped there). A request is not scheduled past ``max_tokens`` or the context with its
     placeholders counted; one preempted with a step in flight still takes that step's token and
-    is resumed only once it has. With speculative decoding (``config.num_speculative_tokens``) a
-    request with a step in flight is scheduled with draft placeholders (the worker holds the
-    drafts it proposed) and its placeholders count that step's drafts as accepted; when the
-    output comes, the rejected ones come off both its placeholders and its computed tokens (the
-    worker takes them off the step it already ran, told by ``num_drafts_in_flight``).
+    is resumed only once it has. Drafts, with async scheduling too, follow ``DraftScheduling``.
     """
 
     def __init__(
@@ -104,10 +99,8 @@ class Scheduler:
         self.kv_transfer = (
             KVTransferScheduling(kv_connector, kv_cache_manager) if kv_connector else None
         )
-        self._spec_decoding_stats: SpecDecodingStats | None = None
         self.async_scheduling = config.async_scheduling
-        # Draft slots reserved for a request whose drafts are still on the worker.
-        self._num_draft_placeholders = config.num_speculative_tokens if self.async_scheduling else 0
+        self.drafts = DraftScheduling(config, self.max_num_tokens)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -302,7 +295,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         lookahead = self.config.num_lookahead_tokens
         max_num_tokens = self.max_num_tokens
-        draft_placeholders = self._num_draft_placeholders
+        drafts = self.drafts
         running = self.running
         withdrew = False
         index = 0
@@ -322,15 +315,7 @@ class Scheduler:
                 ):
                     index += 1
                     continue
-            spec = request.spec_token_ids
-            if placeholders and draft_placeholders:
-                # as many drafts as max_tokens and the context can take after the step in flight
-                room = min(
-                    request.max_tokens - len(request.output_token_ids) - placeholders,
-                    max_num_tokens - num_known,
-                )
-                room -= 1
-                spec = [DRAFT_PLACEHOLDER] * max(min(draft_placeholders, room), 0)
+            spec = drafts.next_drafts(request, num_known)
             num_new = num_known + len(spec) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -374,9 +359,8 @@ class Scheduler:
             cached_reqs.req_ids.append(req_id)
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(num_computed)
-            if draft_placeholders:
-                # at most one step in flight: its own token, then its drafts
-                cached_reqs.num_drafts_in_flight.append(max(placeholders - 1, 0))
+            if drafts.num_placeholders:
+                cached_reqs.num_drafts_in_flight.append(drafts.num_drafts_in_flight(request))
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = num_computed + num_new
@@ -570,25 +554,12 @@ class Scheduler:
             if new_token_ids:
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= len(new_token_ids)
-                if scheduled_spec:
-                    self._roll_back_rejected_drafts(
-                        request, scheduled_spec.get(req_id), new_token_ids
-                    )
-                if spec_token_ids is not None and (
-                    request.num_output_placeholders or status != _RUNNING
-                ):
-                    # async: the step in flight took them, or the request was preempted (it
-                    # resumes without drafts)
-                    request.spec_token_ids = []
-                elif spec_token_ids is not None:
-                    # drafts to verify next step, no more than max_tokens and the context can
-                    # still take with the target's own token after them
-                    room = min(
-                        request.max_tokens - request.num_output_tokens,
-                        self.max_num_tokens - request.num_tokens,
-                    )
-                    room -= len(new_token_ids) + 1
-                    request.spec_token_ids = spec_token_ids[index][: max(room, 0)]
+                self.drafts.take_output(
+                    request,
+                    scheduled_spec.get(req_id),
+                    new_token_ids,
+                    None if spec_token_ids is None else spec_token_ids[index],
+                )
                 new_token_ids, finish_reason = self._append_until_stop(request, new_token_ids)
 
             new_logprobs = None
@@ -697,8 +668,6 @@ class Scheduler:
         prefix = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions = self._num_preemptions
         self._num_preemptions = 0
-        spec_decoding = self._spec_decoding_stats
-        self._spec_decoding_stats = None
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=(
@@ -712,26 +681,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
-            spec_decoding=spec_decoding,
+            spec_decoding=self.drafts.take_stats(),
         )
-
-    def _roll_back_rejected_drafts(
-        self, request: Request, drafts: list[int] | None, new_token_ids: list[int]
-    ) -> None:
-        """Uncount the KV of rejected draft tokens, so the next step recomputes from the first,
-        and count the drafts for metrics. Under async scheduling they leave the placeholders
-        too; a request preempted since has no computed tokens to uncount."""
-        if not drafts:
-            return
-        num_accepted = len(new_token_ids) - 1
-        num_rejected = len(drafts) - num_accepted
-        if request.status == _RUNNING:
-            request.num_computed_tokens -= num_rejected
-        if request.num_output_placeholders:
-            request.num_output_placeholders -= num_rejected
-        if self._spec_decoding_stats is None:
-            self._spec_decoding_stats = SpecDecodingStats()
-        self._spec_decoding_stats.observe(len(drafts), num_accepted)
 
 
 def _may_skip_cached_prompt(request: Request) -> bool:
