@@ -60,9 +60,10 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.llm import LLM
 model, config, token_ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+sampling = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23, **settings)
 [out] = llm.generate({"prompt_token_ids": token_ids},
-                     SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+                     SamplingParams(max_tokens=8, temperature=0.0, **sampling), use_tqdm=False)
 registry, name = llm.metrics.registry, llm.model_config.served_model_name
 tier = config["kv_connector_extra_config"]["tiers"][-1]["type"]
 print(json.dumps({
@@ -78,10 +79,10 @@ llm.engine_core.shutdown()
 """
 
 
-def _engine_process(model, config, token_ids, **settings) -> dict:
+def _engine_process(model, config, token_ids, sampling=None, **settings) -> dict:
     result = subprocess.run(
         [sys.executable, "-c", _ENGINE_SCRIPT, str(model), json.dumps(config),
-         json.dumps(token_ids), json.dumps(settings)],
+         json.dumps(token_ids), json.dumps(settings), json.dumps(sampling or {})],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -137,6 +138,60 @@ def test_tensor_parallel_ranks_each_store_and_load_their_shard(tiny_model, tmp_p
     third = _engine_process(model, config, token_ids, **tp2)
     assert third["tokens"] == expected
     assert third["cached"] == CHUNK
+
+
+def _transformers_greedy(model, token_ids: list[int], num_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # plain argmax, as the engine's ignore_eos
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([token_ids]), max_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(token_ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param({"pipeline_parallel_size": 2}, id="pp2-mp"),
+        pytest.param({"async_scheduling": True}, id="async"),
+        pytest.param(
+            {"pipeline_parallel_size": 2, "async_scheduling": True},
+            id="pp2-mp-async",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+            id="tp2-ray",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
+            id="pp2-ray",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_greedy_matches_transformers_and_a_second_engine_loads_every_rank_shard(
+    settings, tiny_model, tmp_path
+):
+    """Every rank (a pipeline stage, a tensor-parallel shard) stores and loads its own shard of
+    the KV; a second engine loads them all, and its tokens are transformers' token for token."""
+    model = tiny_model("qwen2")
+    config = transfer_config("kv_both", disk(tmp_path / "kv"))
+    token_ids = prompt(300, seed=6)
+    expected = _transformers_greedy(model, token_ids, GREEDY.max_tokens)
+    ignore_eos = {"ignore_eos": True}
+    first = _engine_process(model, config, token_ids, ignore_eos, **settings)
+    assert first["tokens"] == expected and first["cached"] == 0
+    ranks = settings.get("pipeline_parallel_size", 1) * settings.get("tensor_parallel_size", 1)
+    entries = sorted(path.name.split("-")[0] for path in (tmp_path / "kv").glob("*.kv"))
+    assert len(set(entries)) == ranks and len(entries) % ranks == 0  # one fingerprint per rank
+    second = _engine_process(model, config, token_ids, ignore_eos, **settings)
+    assert second["tokens"] == expected
+    # Every whole chunk, and the whole blocks of the partial one, from the tier.
+    assert second["cached"] == second["loaded"] == (300 - 1) // BLOCK * BLOCK
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -130,6 +130,9 @@ def make_engine(
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=prefix_caching,
         num_lookahead_tokens=speculative_config.num_lookahead_tokens if speculative_config else 0,
+        num_speculative_tokens=(
+            speculative_config.num_speculative_tokens if speculative_config else 0
+        ),
         async_scheduling=async_scheduling,
     )
     return EngineCore(executor, config, executor.grammar_compiler)

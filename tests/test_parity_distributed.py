@@ -27,6 +27,7 @@ from test_parity_sampling import NUM_LOGPROBS, _check_rows, _hf_log_softmax
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.sampling_params import SamplingParams
+from ember_spec_decode import SpeculativeConfig
 from ember_testing.tiny_models import ARCHITECTURES
 from ember_worker.distributed.groups import ParallelConfig
 from ember_worker.distributed.worker import WorkerConfig
@@ -190,3 +191,74 @@ def test_logprobs_match_one_rank_and_transformers(parallel):
         reference = _hf_log_softmax(arch, prompt + got["tokens"])
         _check_rows(got["prompt_logprobs"], reference[: len(prompt) - 1], prompt[1:])
         _check_rows(got["logprobs"], reference[len(prompt) - 1 : -1], got["tokens"])
+
+
+# Speculative decoding on the same layouts: prompt lookup, and the target as its own (replicated)
+# draft model, whose drafts must all be accepted. Every rank feeds the same drafts: under TP each
+# rank verifies and proposes alike, under PP the last stage sends tokens and drafts to the others.
+SPECULATIVE = {
+    "ngram": SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3),
+    "draft-model": SpeculativeConfig("draft_model", 3, model=str(model_path("llama"))),
+}
+SPEC_IN_DEFAULT_SUITE = {("tp2", "ngram"), ("pp2", "draft-model"), ("ray-tp2", "ngram")}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(
+            (layout, proposer),
+            id=f"{layout}-{proposer}",
+            marks=() if (layout, proposer) in SPEC_IN_DEFAULT_SUITE else pytest.mark.slow,
+        )
+        for layout in LAYOUTS
+        for proposer in SPECULATIVE
+    ],
+)
+def speculative(request):
+    layout, proposer = request.param
+    parallel_config, backend = LAYOUTS[layout]
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    config = WorkerConfig(
+        str(model_path("llama")),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=NUM_PROMPTS,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=8 * 1024**2,
+        num_threads=1,
+        parallel=parallel_config,
+        speculative_config=SPECULATIVE[proposer],
+    )
+    executor = make_executor(config, backend)
+    yield config.speculative_config, executor
+    executor.shutdown()
+
+
+def spec_engine(executor, spec: SpeculativeConfig, async_scheduling: bool) -> EngineCore:
+    """A small pool and step budget: preemption and chunked prefill while speculating."""
+    config = SchedulerConfig(
+        max_num_seqs=NUM_PROMPTS,
+        max_num_batched_tokens=40,
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=False,
+        num_lookahead_tokens=spec.num_lookahead_tokens,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        async_scheduling=async_scheduling,
+    )
+    return EngineCore(BlockView(executor, 40), config)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculative_greedy_matches_transformers(speculative, async_scheduling):
+    spec, executor = speculative
+    core = spec_engine(executor, spec, async_scheduling)
+    prefix = f"spec-{async_scheduling}-"
+    outputs, totals = run_to_end(core, parity_prompts(), greedy, prefix)
+    assert totals["num_preemptions"] > 0
+    assert totals["num_accepted_tokens"] > 0
+    if spec.method == "draft_model":  # the target drafting for itself
+        assert totals["num_accepted_tokens"] == totals["num_draft_tokens"]
+    assert_matches_hf("llama", outputs)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ember_kv_cache import KVConnectorOutput, TieredKVStore
 from ember_scheduler import (
+    DRAFT_PLACEHOLDER,
     Logprobs,
     ModelRunnerOutput,
     Request,
@@ -80,10 +81,20 @@ def reference_output(
 
 
 class _WorkerRequest:
-    __slots__ = ("block_ids", "num_computed_tokens", "params", "prompt_len", "tokens")
+    __slots__ = (
+        "block_ids",
+        "drafts",
+        "num_accepted",
+        "num_computed_tokens",
+        "params",
+        "prompt_len",
+        "tokens",
+    )
 
     def __init__(self, tokens, block_ids, num_computed_tokens, params, prompt_len):
         self.tokens = tokens
+        self.drafts: list[int] = []  # proposed last step: what draft placeholders stand for
+        self.num_accepted = 0  # drafts the last step accepted
         self.block_ids = block_ids
         self.num_computed_tokens = num_computed_tokens
         self.params = params
@@ -151,32 +162,37 @@ class FakeExecutor:
                 len(new.prompt_token_ids),
             )
         cached = so.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        in_flight = cached.num_drafts_in_flight or [0] * len(cached.req_ids)
+        for req_id, new_block_ids, num_computed, num_drafts in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, in_flight
         ):
             state = self.requests[req_id]
             state.block_ids.extend(new_block_ids)
-            state.num_computed_tokens = num_computed
+            # async scheduling counted the drafts of the step before as accepted
+            rejected = num_drafts - state.num_accepted if num_drafts else 0
+            state.num_computed_tokens = num_computed - rejected
 
         req_ids = list(so.num_scheduled_tokens)
+        work = {r: self._resolve_drafts(so, r) for r in req_ids}
         sampled: list[list[int]] = []
         spec: list[list[int]] = []
         prompt_logprobs: dict[str, Logprobs] = {}
         # As in a real forward pass, every scheduled token's KV is written before any request
         # attends, so a request may read blocks another one fills in the same step.
         for req_id in req_ids:
-            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
-            self._write_kv(req_id, self.requests[req_id], so.num_scheduled_tokens[req_id], drafts)
+            self._write_kv(req_id, self.requests[req_id], *work[req_id])
         for req_id in req_ids:
             state = self.requests[req_id]
-            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
-            new_tokens, plp = self._forward(req_id, state, so.num_scheduled_tokens[req_id], drafts)
+            num_tokens, drafts = work[req_id]
+            new_tokens, plp = self._forward(req_id, state, num_tokens, drafts)
             sampled.append(new_tokens)
-            spec.append(
+            state.num_accepted = len(new_tokens) - 1 if drafts else 0
+            state.drafts = (
                 draft_tokens(state.tokens, self.num_spec_tokens)
                 if new_tokens and self.num_spec_tokens
                 else []
             )
+            spec.append(state.drafts)
             if plp is not None:
                 prompt_logprobs[req_id] = plp
         rows = [t for tokens in sampled for t in tokens]
@@ -237,6 +253,18 @@ class FakeExecutor:
                 in_place = index * chunk_size + num_tokens
             output.finished_loading[transfer.request_id] = in_place
         return output
+
+    def _resolve_drafts(self, so: SchedulerOutput, req_id: str) -> tuple[int, list[int]]:
+        """The tokens to run and the drafts among them: draft placeholders stand for the drafts
+        proposed last step (fewer of those: fewer tokens run)."""
+        num_tokens = so.num_scheduled_tokens[req_id]
+        drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+        if drafts and drafts[0] == DRAFT_PLACEHOLDER:
+            held = self.requests[req_id].drafts[: len(drafts)]
+            return num_tokens - (len(drafts) - len(held)), held
+        # Drafts the scheduler learned from an output: what this worker proposed (or a prefix).
+        assert drafts == self.requests[req_id].drafts[: len(drafts)], f"{req_id}: stale drafts"
+        return num_tokens, drafts
 
     def _write_kv(
         self, req_id: str, state: _WorkerRequest, num_tokens: int, drafts: list[int]

@@ -198,11 +198,6 @@ def test_prompt_logprobs_survive_a_preemption_with_a_chunk_in_flight():
         assert results[rid].token_ids == want
 
 
-def test_async_scheduling_refuses_speculative_decoding():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        SchedulerConfig(async_scheduling=True, num_lookahead_tokens=2)
-
-
 def test_an_engine_whose_last_request_stopped_holds_no_step_in_flight():
     prompt, _ = _eos_prompt()
     engine = _engine(FakeExecutor(64, 4))

@@ -18,7 +18,7 @@ _config = st.fixed_dictionaries(
         "threshold": st.sampled_from([0, 3, 16]),
         "policy": st.sampled_from(["fcfs", "priority"]),
         "spec": st.sampled_from([0, 0, 2]),
-        "async_scheduling": st.booleans(),  # only without spec
+        "async_scheduling": st.booleans(),
     }
 )
 _add = st.tuples(
@@ -78,7 +78,8 @@ def test_interleaved_adds_aborts_and_steps_keep_the_invariants(config, ops):
             long_prefill_token_threshold=config["threshold"],
             policy=config["policy"],
             num_lookahead_tokens=config["spec"],
-            async_scheduling=config["async_scheduling"] and not config["spec"],
+            num_speculative_tokens=config["spec"],
+            async_scheduling=config["async_scheduling"],
         ),
     )
     max_len = engine.scheduler.max_num_tokens

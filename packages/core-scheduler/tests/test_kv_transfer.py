@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from fake_executor import FakeExecutor, make_request, reference_output, run_to_completion
 
 from ember_kv_cache import CPUTier, KVTransferConfig, LayoutFingerprint, TieredKVStore
@@ -23,6 +24,19 @@ def _store() -> TieredKVStore:
                                                              chunk_size=CHUNK))  # fmt: skip
 
 
+# Tests that take ``scheduling_mode`` run twice: steps one at a time, and async scheduling (step
+# n+1 scheduled while step n runs), where the connector's per-step loads and saves must stay just
+# as correct. The others check what each step does, as steps one at a time.
+_MODE = {"async_scheduling": False}
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling_mode(request):
+    _MODE["async_scheduling"] = request.param
+    yield request.param
+    _MODE["async_scheduling"] = False
+
+
 def _engine(store, role="kv_both", load_delay_steps=0, **config):
     executor = FakeExecutor(64, BLOCK, kv_transfer_store=store, load_delay_steps=load_delay_steps)
     kv_transfer = KVTransferConfig.from_dict({
@@ -31,6 +45,7 @@ def _engine(store, role="kv_both", load_delay_steps=0, **config):
         "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "max_bytes": 1}]},
     })  # fmt: skip
     config.setdefault("max_model_len", 256)
+    config.setdefault("async_scheduling", _MODE["async_scheduling"])
     return EngineCore(executor, SchedulerConfig(**config), kv_transfer_config=kv_transfer), executor
 
 
@@ -43,7 +58,7 @@ def _prompts(count, length=29, seed=0):
     return {f"r{i}": [rng.randrange(1, 97) for _ in range(length)] for i in range(count)}
 
 
-def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail():
+def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail(scheduling_mode):
     store = _store()
     prompts = _prompts(3)
     first, _ = _engine(store, role="kv_producer")
@@ -58,7 +73,10 @@ def test_a_second_engine_loads_the_chunks_the_first_saved_and_computes_the_tail(
         assert results[rid].token_ids == reference_output(prompt, PARAMS, 256)[0]
         # 3 whole chunks of the 29-token prompt and the whole block of its partial chunk
         assert results[rid].num_cached_tokens == 28
-        assert _computed_tokens(executor, rid) == 29 - 28 + len(results[rid].token_ids) - 1
+        # Async scheduling runs a request stopped by its EOS one more step (that token is
+        # dropped); max_tokens it sees coming.
+        extra = int(scheduling_mode and len(results[rid].token_ids) < PARAMS.max_tokens)
+        assert _computed_tokens(executor, rid) == 29 - 28 + len(results[rid].token_ids) - 1 + extra
     loaded = sum(s.kv_connector_stats.loaded_tokens for s in stats)
     assert loaded == 3 * 28
     assert second.kv_cache_manager.usage == 0.0
@@ -90,7 +108,7 @@ def test_a_loading_request_waits_without_blocking_others():
     assert engine.kv_cache_manager.usage == 0.0
 
 
-def test_a_chunk_gone_before_the_load_is_recomputed():
+def test_a_chunk_gone_before_the_load_is_recomputed(scheduling_mode):
     store, prompt = _stored_prompt()
     engine, executor = _engine(store, load_delay_steps=1)
     engine.add_request(make_request("r", prompt, PARAMS))
@@ -102,7 +120,7 @@ def test_a_chunk_gone_before_the_load_is_recomputed():
     assert _computed_tokens(executor, "r") == 29 - 8 + len(results["r"].token_ids) - 1
 
 
-def test_abort_while_loading_frees_the_blocks_once_the_load_ends():
+def test_abort_while_loading_frees_the_blocks_once_the_load_ends(scheduling_mode):
     store, prompt = _stored_prompt()
     engine, _ = _engine(store, load_delay_steps=2)
     engine.add_request(make_request("r", prompt, PARAMS))
@@ -114,7 +132,7 @@ def test_abort_while_loading_frees_the_blocks_once_the_load_ends():
     assert not engine.scheduler.kv_transfer.loading
 
 
-def test_chunked_prefill_saves_every_chunk_once():
+def test_chunked_prefill_saves_every_chunk_once(scheduling_mode):
     store = _store()
     prompt = _prompts(1, length=45)["r0"]
     engine, executor = _engine(store, role="kv_producer", max_num_batched_tokens=10)
@@ -144,7 +162,7 @@ def test_a_finished_request_holds_its_blocks_until_its_partial_chunk_is_saved():
     assert not engine.scheduler.kv_transfer.saving
 
 
-def test_abort_after_the_load_before_the_first_step_frees_the_blocks():
+def test_abort_after_the_load_before_the_first_step_frees_the_blocks(scheduling_mode):
     store, prompt = _stored_prompt()
     engine, executor = _engine(store)
     engine.add_request(make_request("r", prompt, PARAMS))
@@ -157,3 +175,10 @@ def test_abort_after_the_load_before_the_first_step_frees_the_blocks():
     run_to_completion(engine)
     assert executor.scheduler_outputs[1].kv_connector_metadata.discards == ["r"]
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_hasher_that_differs_from_the_store_keys_is_refused():
+    # The chunks' keys are chain hashes: a scheduler hashing with another algorithm would never
+    # find what the workers stored.
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo 'xxhash64' differs"):
+        _engine(_store(), prefix_caching_hash_algo="xxhash64")

@@ -63,6 +63,7 @@ def _run(
         max_model_len=MAX_MODEL_LEN,
         policy=policy,
         num_lookahead_tokens=spec,
+        num_speculative_tokens=spec,
         enable_prefix_caching=caching,
         async_scheduling=async_scheduling,
     )
@@ -87,7 +88,9 @@ def _run(
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-@pytest.mark.parametrize(("spec", "async_scheduling"), [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize(
+    ("spec", "async_scheduling"), [(0, False), (2, False), (0, True), (2, True)]
+)
 def test_a_pool_that_preempts_on_about_half_the_steps_changes_nothing(
     policy, spec, async_scheduling
 ):

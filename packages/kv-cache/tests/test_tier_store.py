@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import numpy as np
@@ -35,6 +37,17 @@ def test_fingerprint_separates_layouts_and_validates():
     )
     assert FP.digest != LayoutFingerprint("tiny-llama", "float32", 16, 2, 2, 8, tp_rank=1,
                                           chunk_size=32).digest  # fmt: skip
+    # A pipeline stage past the first keys its own chunks; an unsplit layout keeps the digest it
+    # had before stages were part of it, so existing stores still hit.
+    stage = LayoutFingerprint("tiny-llama", "float32", 16, 2, 2, 8, chunk_size=32, first_layer=2)
+    assert stage.digest != FP.digest
+    unsplit = {"model": "tiny-llama", "dtype": "float32", "block_size": 16, "num_layers": 2,
+               "num_kv_heads": 2, "head_size": 8, "tp_rank": 0, "chunk_size": 32,
+               "hash_algo": "sha256"}  # fmt: skip
+    canonical = json.dumps(unsplit, sort_keys=True).encode()
+    assert FP.digest == hashlib.blake2b(canonical, digest_size=16).hexdigest()
+    with pytest.raises(ValueError, match="first_layer"):
+        LayoutFingerprint("m", "float32", 16, 2, 2, 8, first_layer=-1)
     with pytest.raises(ValueError, match="chunk_size"):
         LayoutFingerprint("m", "float32", 16, 2, 2, 8, chunk_size=40)
     with pytest.raises(ValueError, match="num_layers"):

@@ -15,6 +15,7 @@ def test_cli_round_trip_sets_every_field():
             "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
             "--num-threads", "3", "-tp", "2", "--pipeline-parallel-size", "3",
             "--distributed-executor-backend", "ray", "--no-async-scheduling",
+            "--gpu-memory-utilization", "0.5", "--prefix-caching-hash-algo", "xxhash64",
         ]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(namespace)
@@ -36,28 +37,32 @@ def test_cli_round_trip_sets_every_field():
         pipeline_parallel_size=3,
         distributed_executor_backend="ray",
         async_scheduling=False,
+        gpu_memory_utilization=0.5,
+        prefix_caching_hash_algo="xxhash64",
     )
     assert args.model_name == "tiny"
     assert not args.use_async_scheduling
 
 
-def test_async_scheduling_default_and_the_settings_it_refuses():
+def test_async_scheduling_default_composes_with_every_setting():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--model", "/m"])).async_scheduling is None
     on = parser.parse_args(["--model", "/m", "--async-scheduling"])
     assert EngineArgs.from_cli_args(on).use_async_scheduling
     assert EngineArgs(model="/m").use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    # Left to its default, async scheduling turns itself off where it is not supported ...
-    assert not EngineArgs(model="/m", speculative_config=spec).use_async_scheduling
-    # ... and asked for, it is refused naming both settings.
-    with pytest.raises(ValueError, match=r"async_scheduling.*speculative_config"):
-        EngineArgs(model="/m", speculative_config=spec, async_scheduling=True)
+    # Speculative decoding composes with it: its default stands, and it may be asked for.
+    with_spec = EngineArgs(model="/m", speculative_config=spec)
+    assert with_spec.use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
+    assert EngineArgs(
+        model="/m", speculative_config=spec, async_scheduling=True
+    ).use_async_scheduling
     tiers = {"kv_connector": "TieredConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"tiers": [{"type": "cpu", "max_bytes": 1 << 20}]}}  # fmt: skip
-    assert not EngineArgs(model="/m", kv_transfer_config=tiers).use_async_scheduling
-    with pytest.raises(ValueError, match=r"async_scheduling.*kv_transfer_config"):
-        EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True)
+    # A KV connector composes with it (tests/test_kv_connectors.py checks the tokens).
+    with_connector = EngineArgs(model="/m", kv_transfer_config=tiers)
+    assert with_connector.use_async_scheduling == DEFAULT_ASYNC_SCHEDULING
+    assert EngineArgs(model="/m", kv_transfer_config=tiers, async_scheduling=True).async_scheduling
     with pytest.raises(ValueError, match=r"EngineArgs\.async_scheduling"):
         EngineArgs(model="/m", async_scheduling="yes")
 
@@ -83,6 +88,8 @@ def test_defaults_derive_from_model():
         ("tensor_parallel_size", 0),
         ("pipeline_parallel_size", "2"),
         ("distributed_executor_backend", "threads"),
+        ("prefix_caching_hash_algo", "md5"),
+        ("scheduling_policy", "lifo"),
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -123,3 +130,34 @@ def test_speculative_config_from_the_command_line():
 def test_bad_speculative_config_names_the_field(config, field):
     with pytest.raises(ValueError, match=f"speculative_config.{field}"):
         EngineArgs(model="/m", speculative_config=config)
+
+
+def test_one_settings_object_per_side_both_sides_get_the_shared_settings(tiny_model):
+    """EngineArgs becomes the scheduler's and the worker's configs in one place: the settings
+    both read (the prefix-cache hash that also keys KV tier chunks, the limits) agree."""
+    from ember_server.engine.engine_factory import make_scheduler_config, make_worker_config
+    from ember_server.engine.model_config import ModelConfig
+
+    args = EngineArgs(
+        model=str(tiny_model("llama")),
+        max_model_len=64,
+        max_num_seqs=3,
+        block_size=8,
+        prefix_caching_hash_algo="xxhash128",
+        gpu_memory_utilization=0.25,
+    )
+    model_config = ModelConfig.from_engine_args(args)
+    worker = make_worker_config(args, model_config, 1 << 20, served=False)
+    scheduler = make_scheduler_config(args, model_config)
+    assert worker.prefix_caching_hash_algo == scheduler.prefix_caching_hash_algo == "xxhash128"
+    assert worker.gpu_memory_utilization == 0.25
+    assert (worker.max_num_seqs, worker.block_size, worker.max_model_len) == (3, 8, 64)
+    assert scheduler.max_num_seqs == 3 and scheduler.max_model_len == 64
+    # Left unset, the worker keeps its own (the only) default.
+    unset = make_worker_config(EngineArgs(model=args.model), model_config, None, served=False)
+    assert unset.gpu_memory_utilization == 0.9
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        make_worker_config(
+            EngineArgs(model=args.model, gpu_memory_utilization=1.5), model_config, None,
+            served=False,
+        )  # fmt: skip

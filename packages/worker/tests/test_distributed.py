@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ember_kv_cache import KVTransferConfig
 from ember_worker.distributed.groups import ParallelConfig, PipelineStage
 from ember_worker.distributed.mp_executor import MultiprocExecutor
 from ember_worker.distributed.worker import WorkerConfig, WorkerFailedError
@@ -65,15 +64,6 @@ def test_backend_choice_is_checked(tiny_model):
         make_executor(_config(path), "uni")
     with pytest.raises(ValueError, match="must be one of"):
         make_executor(_config(path), "threads")
-    kv_transfer = KVTransferConfig.from_dict({
-        "kv_connector": "TieredConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"chunk_size": 16, "tiers": [{"type": "cpu", "max_bytes": 1}]},
-    })  # fmt: skip
-    with pytest.raises(ValueError, match=r"kv_transfer_config is not implemented with .*'ray'"):
-        make_executor(_config(path), "ray", kv_transfer_config=kv_transfer)
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
-        _config(path, parallel=ParallelConfig(1, 2), kv_transfer=kv_transfer.as_dict())
 
 
 def test_a_rank_that_fails_at_start_up_reports_its_error(tiny_model):

@@ -11,6 +11,7 @@ from ember_scheduler.engine_types import (
     SpecDecodingStats,
 )
 from ember_scheduler.outputs import (
+    DRAFT_PLACEHOLDER,
     CachedRequestData,
     Logprobs,
     ModelRunnerOutput,
@@ -26,6 +27,7 @@ from ember_scheduler.structured_outputs import GrammarCompiler, StructuredOutput
 __version__ = "0.1.0"
 
 __all__ = [
+    "DRAFT_PLACEHOLDER",
     "CachedRequestData",
     "EngineCore",
     "EngineCoreOutput",

@@ -35,6 +35,13 @@ _GRAMMAR_WAIT_S = 0.01
 _BATCH_QUEUE_DEPTH = 2
 
 
+class StepThreadCounts(Protocol):
+    """How many threads a step runs with: ``large`` for large steps, ``small`` for the others."""
+
+    large: int
+    small: int
+
+
 class Executor(Protocol):
     """What the engine core drives: owns the workers, the model and the KV cache tensors."""
 
@@ -54,6 +61,17 @@ class Executor(Protocol):
     @property
     def kv_transfer_store(self) -> TieredKVStore | None:
         """The worker's KV tier store when built with a ``kv_transfer_config``, else None."""
+        ...
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles the structured-output grammars of the ranks' matchers (None: it has none)."""
+        ...
+
+    @property
+    def step_threads(self) -> StepThreadCounts | None:
+        """The thread counts of steps that run in this process, which the caller may change
+        between steps; None where the steps run in other processes."""
         ...
 
     def execute_model(
@@ -110,6 +128,11 @@ class EngineCore:
             if store is None:
                 raise ValueError("kv_transfer_config needs an executor built with the same config")
             hasher = self.kv_cache_manager.hasher
+            if store.fingerprint.hash_algo != hasher.algo:
+                raise ValueError(
+                    f"prefix_caching_hash_algo {hasher.algo!r} differs from the one that keys the "
+                    f"executor's KV tier store ({store.fingerprint.hash_algo!r}); give both the same"
+                )
             connector = TieredConnectorScheduler(kv_transfer_config, store, hasher)
         self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler, connector)
         # Steps handed to the executor whose outputs are not applied yet (async scheduling).
@@ -175,7 +198,9 @@ class EngineCore:
         if len(queue) < _BATCH_QUEUE_DEPTH:
             if not scheduler.running and not scheduler.waiting and not queue:
                 scheduler.poll_grammars(_GRAMMAR_WAIT_S)
-            if scheduler.running or scheduler.waiting:
+            # With only KV transfers pending, an empty step lets the workers report them.
+            transfers_only = not queue and scheduler.has_kv_transfers()
+            if scheduler.running or scheduler.waiting or transfers_only:
                 scheduler_output = scheduler.schedule()
                 queue.append(
                     (

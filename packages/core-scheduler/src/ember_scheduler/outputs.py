@@ -15,6 +15,10 @@ from ember_kv_cache import KVConnectorMetadata, KVConnectorOutput
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
+# A draft token the scheduler schedules before it knows it (async scheduling): the worker, which
+# proposed the drafts, feeds its own in its place.
+DRAFT_PLACEHOLDER = -1
+
 
 class Logprobs(msgspec.Struct, array_like=True):
     """Logprobs of a run of tokens, one row per token.
@@ -55,6 +59,10 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_ids: list[str] = msgspec.field(default_factory=list)
     new_block_ids: list[list[int]] = msgspec.field(default_factory=list)  # appended this step
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # Drafts of the request's step in flight that num_computed_tokens counts as accepted (async
+    # scheduling with speculation); the worker, which verified them, takes the rejected ones off.
+    # Empty: none for any request.
+    num_drafts_in_flight: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

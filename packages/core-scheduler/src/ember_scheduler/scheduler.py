@@ -18,12 +18,12 @@ from concurrent.futures import wait as wait_futures
 
 from ember_kv_cache import KVCacheManager, TieredConnectorScheduler
 from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.draft_scheduling import DraftScheduling
 from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     SchedulerStats,
-    SpecDecodingStats,
 )
 from ember_scheduler.kv_transfer import KVTransferScheduling
 from ember_scheduler.outputs import (
@@ -68,7 +68,7 @@ class Scheduler:
     ``update_from_output``, where stops apply as usual (a stopped request's one extra step is
     dropped there). A request is not scheduled past ``max_tokens`` or the context with its
     placeholders counted; one preempted with a step in flight still takes that step's token and
-    is resumed only once it has.
+    is resumed only once it has. Drafts, with async scheduling too, follow ``DraftScheduling``.
     """
 
     def __init__(
@@ -99,12 +99,8 @@ class Scheduler:
         self.kv_transfer = (
             KVTransferScheduling(kv_connector, kv_cache_manager) if kv_connector else None
         )
-        self._spec_decoding_stats: SpecDecodingStats | None = None
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling and kv_connector is not None:
-            raise ValueError(
-                "async_scheduling cannot be combined with a KV connector (kv_transfer_config)"
-            )
+        self.drafts = DraftScheduling(config, self.max_num_tokens)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -264,7 +260,7 @@ class Scheduler:
                 self.running[0].request_id, len(self.running)
             )
         if self.async_scheduling:
-            self._add_output_placeholders(num_scheduled_tokens)
+            self._add_output_placeholders(num_scheduled_tokens, spec_decode_tokens)
         finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         kv_connector_metadata = None
@@ -299,6 +295,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         lookahead = self.config.num_lookahead_tokens
         max_num_tokens = self.max_num_tokens
+        drafts = self.drafts
         running = self.running
         withdrew = False
         index = 0
@@ -318,7 +315,7 @@ class Scheduler:
                 ):
                     index += 1
                     continue
-            spec = request.spec_token_ids
+            spec = drafts.next_drafts(request, num_known)
             num_new = num_known + len(spec) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -362,6 +359,8 @@ class Scheduler:
             cached_reqs.req_ids.append(req_id)
             cached_reqs.new_block_ids.append(new_block_ids)
             cached_reqs.num_computed_tokens.append(num_computed)
+            if drafts.num_placeholders:
+                cached_reqs.num_drafts_in_flight.append(drafts.num_drafts_in_flight(request))
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = num_computed + num_new
@@ -374,9 +373,10 @@ class Scheduler:
 
         if withdrew:
             keep = [i for i, r in enumerate(cached_reqs.req_ids) if r in num_scheduled_tokens]
-            for name in ("req_ids", "new_block_ids", "num_computed_tokens"):
+            for name in ("req_ids", "new_block_ids", "num_computed_tokens", "num_drafts_in_flight"):
                 column = getattr(cached_reqs, name)
-                setattr(cached_reqs, name, [column[i] for i in keep])
+                if column:
+                    setattr(cached_reqs, name, [column[i] for i in keep])
         return token_budget
 
     def _schedule_waiting(
@@ -495,19 +495,24 @@ class Scheduler:
         self.waiting.prepend_request(victim)
         return victim, position < current
 
-    def _add_output_placeholders(self, num_scheduled_tokens: dict[str, int]) -> None:
-        """Give a placeholder to each request scheduled to sample: its tokens reach the end of
-        its known tokens (async scheduling; after the whole step, so withdrawn requests have
-        none)."""
+    def _add_output_placeholders(
+        self, num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]]
+    ) -> None:
+        """Give placeholders to each request scheduled to sample: its tokens reach the end of
+        its known tokens and its drafts (async scheduling; after the whole step, so withdrawn
+        requests have none). One for its token, one per draft: drafts count as accepted until
+        the output says otherwise."""
         requests = self.requests
         for req_id in num_scheduled_tokens:
             request = requests[req_id]
             placeholders = request.num_output_placeholders
+            num_drafts = len(spec_decode_tokens.get(req_id, ()))
             if (
-                request.num_computed_tokens == len(request.all_token_ids) + placeholders
+                request.num_computed_tokens
+                == len(request.all_token_ids) + placeholders + num_drafts
                 and request.pooling_params is None
             ):
-                request.num_output_placeholders = placeholders + 1
+                request.num_output_placeholders = placeholders + 1 + num_drafts
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -549,19 +554,12 @@ class Scheduler:
             if new_token_ids:
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= len(new_token_ids)
-                if scheduled_spec:
-                    self._roll_back_rejected_drafts(
-                        request, scheduled_spec.get(req_id), new_token_ids
-                    )
-                if spec_token_ids is not None:
-                    # drafts to verify next step, no more than max_tokens and the context can
-                    # still take with the target's own token after them
-                    room = min(
-                        request.max_tokens - request.num_output_tokens,
-                        self.max_num_tokens - request.num_tokens,
-                    )
-                    room -= len(new_token_ids) + 1
-                    request.spec_token_ids = spec_token_ids[index][: max(room, 0)]
+                self.drafts.take_output(
+                    request,
+                    scheduled_spec.get(req_id),
+                    new_token_ids,
+                    None if spec_token_ids is None else spec_token_ids[index],
+                )
                 new_token_ids, finish_reason = self._append_until_stop(request, new_token_ids)
 
             new_logprobs = None
@@ -670,8 +668,6 @@ class Scheduler:
         prefix = self.kv_cache_manager.take_prefix_cache_stats()
         num_preemptions = self._num_preemptions
         self._num_preemptions = 0
-        spec_decoding = self._spec_decoding_stats
-        self._spec_decoding_stats = None
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=(
@@ -685,21 +681,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
-            spec_decoding=spec_decoding,
+            spec_decoding=self.drafts.take_stats(),
         )
-
-    def _roll_back_rejected_drafts(
-        self, request: Request, drafts: list[int] | None, new_token_ids: list[int]
-    ) -> None:
-        """Uncount the KV of rejected draft tokens, so the next step recomputes from the first,
-        and count the drafts for metrics."""
-        if not drafts:
-            return
-        num_accepted = len(new_token_ids) - 1
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        if self._spec_decoding_stats is None:
-            self._spec_decoding_stats = SpecDecodingStats()
-        self._spec_decoding_stats.observe(len(drafts), num_accepted)
 
 
 def _may_skip_cached_prompt(request: Request) -> bool:

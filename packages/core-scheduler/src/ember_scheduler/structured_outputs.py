@@ -77,10 +77,12 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
 
 
 class GrammarCompiler(Protocol):
-    """Compiles structured-output specs off the scheduler's thread (the worker implements it).
+    """Compiles structured-output specs off the scheduler's thread, where the matchers use them
+    (the worker implements it; ``Executor.grammar_compiler``).
 
-    ``compile`` returns at once; the future holds the compiled grammar, or the ValueError that
-    says why the spec cannot be compiled. Equal specs may share one future (a cache).
+    ``compile`` returns at once; the future completes when the grammar is compiled (its value
+    is not the scheduler's to read), or holds the ValueError that says why the spec cannot be
+    compiled. Equal specs may share one future (a cache).
     """
 
     def compile(self, spec: StructuredOutputsParams) -> Future: ...

@@ -12,7 +12,13 @@ from ember_kv_cache.connector import (
     TieredConnectorScheduler,
 )
 from ember_kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from ember_kv_cache.hashing import HASH_ALGOS, BlockHasher, BlockHashExtras, MultiModalItem
+from ember_kv_cache.hashing import (
+    DEFAULT_HASH_ALGO,
+    HASH_ALGOS,
+    BlockHasher,
+    BlockHashExtras,
+    MultiModalItem,
+)
 from ember_kv_cache.manager import ComputedBlocks, KVCacheManager
 from ember_kv_cache.stats import PrefixCacheStats
 from ember_kv_cache.tier_entry import LayoutFingerprint
@@ -22,6 +28,7 @@ from ember_kv_cache.tiers import CPUTier, DiskTier, RedisTier, TierUnavailable, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_HASH_ALGO",
     "HASH_ALGOS",
     "AllBlocksCleared",
     "BlockHashExtras",

@@ -17,6 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 HASH_ALGOS = ("sha256", "xxhash64", "xxhash128")
+# The chain hash's algorithm when none is chosen: every component that hashes or keys blocks
+# (the scheduler's prefix cache, the connector's layout fingerprint) defaults to this one.
+DEFAULT_HASH_ALGO = "sha256"
 
 # An extra key is ("lora", name), ("mm", identifier, offset) or ("salt", salt).
 ExtraKey = tuple
@@ -139,7 +142,7 @@ class BlockHasher:
     process on any machine.
     """
 
-    def __init__(self, block_size: int, algo: str = "sha256", seed: bytes = b"") -> None:
+    def __init__(self, block_size: int, algo: str = DEFAULT_HASH_ALGO, seed: bytes = b"") -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(seed, bytes):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ember_kv_cache.block import KVCacheBlock, PartialBlock
 from ember_kv_cache.block_pool import BlockPool
 from ember_kv_cache.events import KVCacheEvent
-from ember_kv_cache.hashing import BlockHasher, BlockHashExtras
+from ember_kv_cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashExtras
 from ember_kv_cache.stats import PrefixCacheStats
 
 
@@ -73,7 +73,7 @@ class KVCacheManager:
         block_size: int,
         *,
         enable_caching: bool = True,
-        hash_algo: str = "sha256",
+        hash_algo: str = DEFAULT_HASH_ALGO,
         hash_seed: bytes = b"",
         enable_kv_events: bool = False,
         reuse_partial_blocks: bool = False,

@@ -1,6 +1,7 @@
-"""Combine the connector outputs of several tensor-parallel ranks into the one the scheduler sees.
+"""Combine the connector outputs of several ranks into the one the scheduler sees.
 
-Each rank loads and saves its own shard of a request's KV, in its own time: a load or a save is
+Each rank (a tensor-parallel shard of a pipeline stage's layers) loads and saves its own shard of
+a request's KV, in its own time: a load or a save is
 done only when every rank has reported it, possibly in different steps.
 """
 

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ember_kv_cache.hashing import DEFAULT_HASH_ALGO
+
 MAGIC = b"EMKV1"
 _U32 = struct.Struct("<I")
 _DIGEST_SIZE = 16
@@ -44,6 +46,8 @@ class LayoutFingerprint:
 
     ``model`` names the weights (a path, a hub id or a digest of the config); ``chunk_size`` is
     in tokens and ``hash_algo`` is the chain hash's algorithm, since both decide what a key means.
+    A shard holds ``num_layers`` layers from ``first_layer`` on (a pipeline stage after the
+    first starts past 0) and the KV heads of tensor-parallel rank ``tp_rank``.
     """
 
     model: str
@@ -54,7 +58,8 @@ class LayoutFingerprint:
     head_size: int
     tp_rank: int = 0
     chunk_size: int = 256
-    hash_algo: str = "sha256"
+    hash_algo: str = DEFAULT_HASH_ALGO
+    first_layer: int = 0
     # Set from the fields above: two fingerprints match iff their digests do.
     digest: str = field(default="", init=False, repr=False)
 
@@ -67,14 +72,18 @@ class LayoutFingerprint:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LayoutFingerprint.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.tp_rank, int) or self.tp_rank < 0:
-            raise ValueError(f"LayoutFingerprint.tp_rank must be an int >= 0, got {self.tp_rank!r}")
+        for name in ("tp_rank", "first_layer"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"LayoutFingerprint.{name} must be an int >= 0, got {value!r}")
         if self.chunk_size % self.block_size:
             raise ValueError(
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
                 f"({self.block_size})"
             )
         fields = {k: v for k, v in asdict(self).items() if k != "digest"}
+        if not self.first_layer:
+            del fields["first_layer"]  # the digests of unsplit layouts stay what they were
         canonical = json.dumps(fields, sort_keys=True).encode()
         object.__setattr__(self, "digest", hashlib.blake2b(canonical, digest_size=16).hexdigest())
 

@@ -17,6 +17,8 @@ _MODULE_OF = {
     "LoadedModel": "ember_worker.model_loader",
     "ModelRunner": "ember_worker.model_runner",
     "Sampler": "ember_worker.sampler",
+    "Worker": "ember_worker.distributed.worker",
+    "WorkerConfig": "ember_worker.distributed.worker",
     "load_model": "ember_worker.model_loader",
     "resolve_model_path": "ember_worker.hf_config",
 }

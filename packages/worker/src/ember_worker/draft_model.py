@@ -62,16 +62,13 @@ class DraftModelProposer:
         """Write the draft's KV for the tokens the target just ran over."""
         self.model(input_ids, positions, metadata)
 
-    def take_draft_probs(self, spec_decode_tokens: dict[str, list[int]]) -> torch.Tensor:
-        """The draft distributions of this step's scheduled drafts, flat in row order
-        (``[sum(num_drafts), vocab]``), as ``rejection_sample`` takes them."""
-        index = self.batch.req_id_to_index
-        parts = sorted(
-            (index[req_id], self.draft_probs[req_id][: len(tokens)])
-            for req_id, tokens in spec_decode_tokens.items()
-            if tokens
+    def take_draft_probs(self, rows: np.ndarray, num_drafts: np.ndarray) -> torch.Tensor:
+        """The draft distributions of this step's drafts, ``num_drafts[i]`` for ``rows[i]``,
+        flat in row order (``[sum(num_drafts), vocab]``), as ``rejection_sample`` takes them."""
+        req_ids = self.batch.req_ids
+        return torch.cat(
+            [self.draft_probs[req_ids[row]][:count] for row, count in zip(rows, num_drafts)]
         )
-        return torch.cat([p for _, p in parts])
 
     def propose(self, rows: np.ndarray) -> Proposal:
         """k drafts for each of ``rows`` (rows that just got a token), decoded from the row's

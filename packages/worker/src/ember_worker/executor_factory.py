@@ -1,11 +1,17 @@
-"""Pick the executor for a worker configuration: in process, one process per rank, or Ray."""
+"""Pick the executor for a worker configuration: in process, one process per rank, or Ray.
+
+Imports no torch until an executor is made: the API server reads ``EXECUTOR_BACKENDS``.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from ember_kv_cache import KVTransferConfig
-from ember_worker.distributed.worker import WorkerConfig
+if TYPE_CHECKING:
+    from ember_kv_cache import KVTransferConfig
+    from ember_worker.distributed.worker import WorkerConfig
 
 # As vLLM's distributed_executor_backend: one rank in process, one process per rank, Ray actors.
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -17,10 +23,11 @@ def make_executor(
     device: str | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
 ):
-    """An ``Executor`` for ``config``: ``backend`` None picks "uni" for one rank, else "mp".
+    """An ``Executor`` running ``config``'s ``Worker`` on each rank: ``backend`` None picks "uni"
+    (in process) for one rank, else "mp". ``kv_transfer_config``, when given, replaces
+    ``config.kv_transfer``.
 
-    A KV connector (``kv_transfer_config``) runs in process or with "mp" (each rank its own
-    shard); "ray" refuses it."""
+    A KV connector and speculative decoding run with every backend (each rank its own shard)."""
     world = config.parallel.world_size
     if backend is None:
         backend = "uni" if world == 1 else "mp"
@@ -28,26 +35,12 @@ def make_executor(
         raise ValueError(
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
         )
+    if kv_transfer_config is not None:
+        config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())
     if backend == "uni":
-        if world > 1:
-            raise ValueError(
-                f"distributed_executor_backend 'uni' runs one rank; tensor x pipeline parallel "
-                f"size is {world} (use 'mp' or 'ray')"
-            )
         from ember_worker.executor import InProcessExecutor
 
-        settings = msgspec.structs.asdict(config)
-        del settings["parallel"]
-        return InProcessExecutor(
-            settings.pop("model"), device=device, kv_transfer_config=kv_transfer_config, **settings
-        )
-    if kv_transfer_config is not None:
-        if backend == "ray":
-            raise ValueError(
-                "kv_transfer_config is not implemented with distributed_executor_backend 'ray' "
-                "(use 'mp')"
-            )
-        config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())
+        return InProcessExecutor(config, device=device)
     if backend == "mp":
         from ember_worker.distributed.mp_executor import MultiprocExecutor
 

@@ -10,7 +10,9 @@ prefix, and nothing reads past it.
 Per step the model runner updates the rows from the scheduler's diff, condenses them, sets the
 scheduled counts, and reads them: ``model_inputs.ModelInputBuffers`` flattens the step's inputs
 and ``sampling_metadata.build_sampling_metadata`` gathers the sampling parameters, neither
-changing the batch. ``append_sampled_tokens`` then records the step's result.
+changing the batch. ``append_token_runs`` then records the step's result. Draft tokens live in
+the token rows too (``draft_slots.DraftSlots``); min_tokens stop ids beside the rows
+(``min_tokens.MinTokensStops``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 import torch
 
 from ember_scheduler.outputs import NewRequestData
+from ember_worker.draft_slots import DraftSlots
+from ember_worker.min_tokens import MinTokensStops
 
 # Everything a row holds besides its token ids and block ids. One record per row, so that moving
 # a row's side state is a single numpy assignment whatever the number of fields.
@@ -44,6 +48,7 @@ ROW_STATE_DTYPE = np.dtype(
         ("min_tokens", np.int32),  # outputs before EOS/stop ids may be sampled; 0: no mask
         ("has_seed", np.bool_),
         ("seed", np.int64),
+        ("num_accepted_drafts", np.int32),  # of the row's last step (draft_slots)
     ],
     align=True,
 )
@@ -101,13 +106,9 @@ class InputBatch:
         self._req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self._num_rows = 0  # rows in use, holes included
-        self._has_draft_tokens = False  # some row's num_tokens counts draft tokens
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
-        # Token ids (EOS unless ignore_eos, stop_token_ids) masked while a request has fewer than
-        # min_tokens outputs, keyed by request id so row moves need not touch it; a request
-        # leaves it when appended tokens take it to min_tokens. Empty in the common case, which
-        # then costs nothing.
-        self._min_tokens_stop_ids: dict[str, np.ndarray] = {}
+        self.drafts = DraftSlots(self)
+        self.min_tokens_stops = MinTokensStops(vocab_size)
 
     # ------------------------------------------------------------------ membership
 
@@ -152,11 +153,6 @@ class InputBatch:
                 f"NewRequestData.num_computed_tokens of {req_id!r} must be in [0, {num_tokens}], "
                 f"got {new_req.num_computed_tokens}"
             )
-        min_tokens, stop_ids = 0, None
-        if params.min_tokens > len(output):
-            stop_ids = self._stop_ids_below_min_tokens(new_req)
-            if len(stop_ids):
-                min_tokens = params.min_tokens
 
         row = heapq.heappop(self._holes) if self._holes else self._num_rows
         self._num_rows = max(self._num_rows, row + 1)
@@ -185,23 +181,12 @@ class InputBatch:
             params.repetition_penalty,
             -1 if params.logprobs is None else params.logprobs,
             -1 if params.prompt_logprobs is None else params.prompt_logprobs,
-            min_tokens,
+            self.min_tokens_stops.add_request(new_req),
             params.seed is not None,
             0 if params.seed is None else params.seed,
+            0,
         )
-        if min_tokens:
-            self._min_tokens_stop_ids[req_id] = stop_ids
         return row
-
-    def _stop_ids_below_min_tokens(self, new_req: NewRequestData) -> np.ndarray:
-        """EOS (unless ignore_eos) and the stop_token_ids, without ids past the vocabulary
-        (the model can never sample those, so they need no mask)."""
-        params = new_req.sampling_params
-        ids = list(params.stop_token_ids)
-        if new_req.eos_token_id is not None and not params.ignore_eos:
-            ids.append(new_req.eos_token_id)
-        unique = np.unique(np.asarray(ids, dtype=np.int64))
-        return unique[unique < self.vocab_size]
 
     def remove_request(self, req_id: str) -> int | None:
         """Drop a request, leaving a hole at its row; returns that row (None if not held)."""
@@ -209,7 +194,7 @@ class InputBatch:
         if row is None:
             return None
         self._req_ids[row] = None
-        self._min_tokens_stop_ids.pop(req_id, None)
+        self.min_tokens_stops.remove_request(req_id)
         self.num_tokens[row] = 0
         self.num_tokens_no_spec[row] = 0
         self.num_blocks[row] = 0
@@ -256,7 +241,7 @@ class InputBatch:
         if self._holes:
             raise ValueError(f"{caller} needs a condensed batch; call condense() first")
 
-    def _row_of(self, req_id: str) -> int:
+    def row_of(self, req_id: str) -> int:
         row = self.req_id_to_index.get(req_id)
         if row is None:
             raise ValueError(f"req_id {req_id!r} is not in the batch")
@@ -264,7 +249,7 @@ class InputBatch:
 
     def append_block_ids(self, req_id: str, block_ids: list[int]) -> None:
         """Append newly allocated blocks to a request's block-table row."""
-        row = self._row_of(req_id)
+        row = self.row_of(req_id)
         start = self.num_blocks[row]
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
@@ -275,8 +260,15 @@ class InputBatch:
         self.block_table_cpu[row, start:end] = block_ids
         self.num_blocks[row] = end
 
-    def set_num_computed_tokens(self, req_id: str, num_computed_tokens: int) -> None:
-        row = self._row_of(req_id)
+    def set_num_computed_tokens(
+        self, req_id: str, num_computed_tokens: int, num_drafts_in_flight: int = 0
+    ) -> None:
+        """Take the scheduler's count; ``num_drafts_in_flight`` of the row's last step's drafts
+        it counted as accepted (async scheduling), of which the rejected ones come off."""
+        row = self.row_of(req_id)
+        num_computed_tokens = self.drafts.verified_num_computed(
+            row, num_computed_tokens, num_drafts_in_flight
+        )
         if not 0 <= num_computed_tokens <= self.num_tokens_no_spec[row]:
             raise ValueError(
                 f"num_computed_tokens of {req_id!r} must be in "
@@ -292,22 +284,26 @@ class InputBatch:
         """Take this step's token counts of rows ``0..num_reqs-1``, and the draft tokens in them.
 
         ``num_scheduled_tokens[i]`` counts row ``i``'s tokens this step, its drafts included; a
-        row may be scheduled for 0 tokens, and then ``append_sampled_tokens`` gives it nothing.
-        The drafts are held after each row's tokens until that call. Counts that a row's tokens
-        or blocks cannot hold are a ValueError that leaves no drafts behind.
+        row may be scheduled for 0 tokens, and then it samples nothing. The drafts are held
+        after each row's tokens (``DraftSlots.schedule``: a row with fewer held drafts than
+        placeholders runs fewer tokens); ``num_scheduled_tokens`` then holds the counts run.
+        Counts that a row's tokens or blocks cannot hold are a ValueError that leaves no drafts
+        behind.
         """
         self.check_condensed("set_num_scheduled_tokens")
         n = self.num_reqs
-        num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        num_sched = np.array(num_scheduled_tokens, dtype=np.int64)
         if num_sched.shape != (n,) or n == 0:
             raise ValueError(
                 f"num_scheduled_tokens must have shape ({n},) with n > 0, "
                 f"got {tuple(num_sched.shape)}"
             )
+        try:
+            self.drafts.schedule(spec_decode_tokens or {}, num_sched)
+        except ValueError:
+            self.drafts.drop()
+            raise
         total = int(num_sched.sum())
-        self._drop_draft_tokens()
-        if spec_decode_tokens:
-            self._write_spec_tokens(spec_decode_tokens)
         computed = self.num_computed_tokens[:n].astype(np.int64)
         # One reduction for every check (tokens held, room in the blocks, non-negative counts);
         # the error path works out which one failed.
@@ -315,7 +311,7 @@ class InputBatch:
         slack = np.minimum(capacity - computed - num_sched, num_sched)
         if total <= 0 or total > self.max_num_batched_tokens or slack.min() < 0:
             error = self._schedule_error(num_sched, computed, total)
-            self._drop_draft_tokens()
+            self.drafts.drop()
             raise error
         self.num_scheduled_tokens[:n] = num_sched
 
@@ -344,96 +340,58 @@ class InputBatch:
             f"{seq_lens[row]} tokens"
         )
 
-    def _drop_draft_tokens(self) -> None:
-        if self._has_draft_tokens:
-            self.num_tokens[:] = self.num_tokens_no_spec
-            self._has_draft_tokens = False
-
-    def _write_spec_tokens(self, spec_decode_tokens: dict[str, list[int]]) -> None:
-        for req_id, drafts in spec_decode_tokens.items():
-            if not drafts:
-                continue
-            row = self._row_of(req_id)
-            start = self.num_tokens_no_spec[row]
-            end = start + len(drafts)
-            if end > self.max_model_len:
-                raise ValueError(
-                    f"spec_decode_tokens of {req_id!r} would exceed max_model_len "
-                    f"{self.max_model_len}"
-                )
-            self.token_ids_cpu[row, start:end] = drafts
-            self.num_tokens[row] = end
-            self._has_draft_tokens = True
-
-    def append_sampled_tokens(self, sampled: np.ndarray | list[list[int]]) -> list[list[int]]:
-        """Append each row's new tokens; returns what each row actually received.
-
-        An array gives one token per row (shape ``[num_reqs]`` or ``[num_reqs, 1]``); rows whose
-        step did not reach the end of their tokens (mid-prefill, or not scheduled) get none. A
-        list of lists gives each row its tokens as is (accepted drafts plus the bonus token).
-        Either way the step's draft tokens are dropped, and requests that reached min_tokens
-        leave the min_tokens mask.
-        """
-        if isinstance(sampled, list):
-            received = self._append_token_lists(sampled)
-        else:
-            received = self._append_one_token_per_row(sampled)
-        self._drop_draft_tokens()
-        self._drop_reached_min_tokens()
-        return received
-
-    def _append_token_lists(self, sampled: list[list[int]]) -> list[list[int]]:
+    def reached_end(self) -> np.ndarray:
+        """Rows whose scheduled tokens reach the end of their known tokens (they sample)."""
         n = self.num_reqs
-        if len(sampled) != n:
-            raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
-        ends = self.num_tokens_no_spec[:n] + np.array([len(t) for t in sampled], dtype=np.int64)
-        if n and ends.max() > self.max_model_len:
-            raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
-        for row, tokens in enumerate(sampled):
-            if tokens:
-                self.token_ids_cpu[row, ends[row] - len(tokens) : ends[row]] = tokens
-        self.num_tokens_no_spec[:n] = ends
-        self.num_tokens[:n] = ends
-        return [list(tokens) for tokens in sampled]
-
-    def _append_one_token_per_row(self, sampled: np.ndarray) -> list[list[int]]:
-        n = self.num_reqs
-        tokens = np.asarray(sampled).reshape(-1)
-        if tokens.shape != (n,):
-            raise ValueError(f"sampled must have {n} rows, got shape {np.shape(sampled)}")
         scheduled = self.num_scheduled_tokens[:n]
         held = self.num_tokens_no_spec[:n]
-        reached_end = (self.num_computed_tokens[:n] + scheduled >= held) & (scheduled > 0)
-        rows = np.flatnonzero(reached_end)
-        ends = held[rows]
-        if len(rows) and ends.max() >= self.max_model_len:
-            raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
-        self.token_ids_cpu[rows, ends] = tokens[rows]
-        self.num_tokens_no_spec[rows] = ends + 1
-        self.num_tokens[rows] = ends + 1
-        return [[t] if ok else [] for t, ok in zip(tokens.tolist(), reached_end.tolist())]
+        return (self.num_computed_tokens[:n] + scheduled >= held) & (scheduled > 0)
 
-    def _drop_reached_min_tokens(self) -> None:
-        """Forget the stop ids of requests whose outputs reached min_tokens (outputs only grow,
-        so they never come back)."""
-        pending = self._min_tokens_stop_ids
-        if not pending:
-            return
-        req_ids = list(pending)
-        state = self.rows[[self.req_id_to_index[r] for r in req_ids]]
-        below = state["num_tokens_no_spec"] - state["num_prompt_tokens"] < state["min_tokens"]
-        if not below.all():
-            self._min_tokens_stop_ids = {
-                r: pending[r] for r, keep in zip(req_ids, below.tolist()) if keep
-            }
+    def append_token_runs(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Append row ``i``'s ``token_ids[i, :num_tokens[i]]`` (its accepted drafts and one
+        more, its one sampled token, or nothing mid-prefill), vectorized over the batch. The
+        step's drafts are dropped, and requests that reached min_tokens leave the mask."""
+        n = self.num_reqs
+        counts = np.asarray(num_tokens, dtype=np.int64)
+        if counts.shape != (n,) or token_ids.shape[0] != n:
+            raise ValueError(f"sampled must have {n} rows, got shape {np.shape(token_ids)}")
+        start = self.num_tokens_no_spec[:n].astype(np.int64)
+        ends = start + counts
+        if n and ends.max() > self.max_model_len:
+            raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
+        total = int(counts.sum())
+        if total:
+            rows = np.repeat(np.arange(n), counts)
+            offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            self.token_ids_cpu[rows, start[rows] + offsets] = token_ids[rows, offsets]
+        self.drafts.record_accepted(counts)
+        self.num_tokens_no_spec[:n] = ends
+        self.num_tokens[:n] = ends
+        self.drafts.any = False
+        self.min_tokens_stops.drop_reached(self.rows, self.req_id_to_index)
+
+    def append_sampled_tokens(self, sampled: np.ndarray | list[list[int]]) -> list[list[int]]:
+        """``append_token_runs`` from one token per row (an array of shape ``[num_reqs]`` or
+        ``[num_reqs, 1]``: rows that do not reach the end of their tokens get none) or from
+        each row's list of tokens; returns what each row received."""
+        n = self.num_reqs
+        if isinstance(sampled, list):
+            if len(sampled) != n:
+                raise ValueError(f"sampled must have {n} rows, got {len(sampled)}")
+            counts = np.array([len(t) for t in sampled], dtype=np.int64)
+            token_ids = np.zeros((n, max(int(counts.max(initial=0)), 1)), dtype=np.int64)
+            for row, tokens in enumerate(sampled):
+                token_ids[row, : len(tokens)] = tokens
+        else:
+            token_ids = np.asarray(sampled).reshape(-1, 1)
+            if token_ids.shape != (n, 1):
+                raise ValueError(f"sampled must have {n} rows, got shape {np.shape(sampled)}")
+            counts = self.reached_end().astype(np.int64)
+        self.append_token_runs(token_ids, counts)
+        return [row[:c].tolist() for row, c in zip(token_ids, counts.tolist())]
 
     def min_tokens_stop_mask(self) -> tuple[np.ndarray, np.ndarray] | None:
         """``(rows, token_ids)`` to mask in this step's logits: EOS (unless ignore_eos) and the
         stop_token_ids of every row with fewer than ``min_tokens`` outputs, as int64 index
         arrays; None when no row has any. Reads the batch only."""
-        pending = self._min_tokens_stop_ids
-        if not pending:
-            return None
-        rows = np.array([self.req_id_to_index[r] for r in pending], dtype=np.int64)
-        stop_ids = list(pending.values())
-        return np.repeat(rows, [len(ids) for ids in stop_ids]), np.concatenate(stop_ids)
+        return self.min_tokens_stops.mask(self.req_id_to_index)

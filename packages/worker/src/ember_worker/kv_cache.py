@@ -61,13 +61,12 @@ def kv_cache_budget(
     device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float
 ) -> int:
     """Bytes for the KV cache: ``kv_cache_memory`` when given (required on the CPU); on a GPU,
-    otherwise, ``gpu_memory_utilization`` of the memory free once the model is loaded."""
+    otherwise, ``gpu_memory_utilization`` (in (0, 1], checked by ``WorkerConfig``) of the memory
+    free once the model is loaded."""
     if kv_cache_memory is not None:
         return int(kv_cache_memory)
     if device.type != "cuda":
         raise ValueError("kv_cache_memory (bytes) is required when the model runs on the CPU")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * gpu_memory_utilization)
 

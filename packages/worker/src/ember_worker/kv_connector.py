@@ -61,7 +61,10 @@ def layout_fingerprint(
     config: KVTransferConfig,
     hash_algo: str,
     tp_rank: int,
+    first_layer: int = 0,
 ) -> LayoutFingerprint:
+    """The fingerprint of a shard: ``spec``'s layers from ``first_layer`` on (its pipeline
+    stage's) and ``tp_rank``'s KV heads."""
     return LayoutFingerprint(
         model=model_identity(model_path),
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -72,6 +75,7 @@ def layout_fingerprint(
         tp_rank=tp_rank,
         chunk_size=config.chunk_size,
         hash_algo=hash_algo,
+        first_layer=first_layer,
     )
 
 

@@ -3,9 +3,10 @@
 Per step, as vLLM v1's GPU model runner: apply the scheduler's diff to the persistent batch
 (drop finished and preempted requests, add new ones, append new blocks, take the scheduler's
 computed-token counts), prepare flattened inputs with numpy, run the decoder over every scheduled
-token at once, take logits only at each request's last scheduled token, sample, and append the
-tokens of requests that reached the end of their known tokens (requests still in prefill sample
-nothing).
+token at once, then one sampling path: logits at each request's last scheduled token (and at
+each draft position of a request verifying drafts), the grammar bitmask, the sampler, the
+rejection sampler over rows with drafts, the tokens appended to the batch (requests still in
+prefill get none), the next drafts proposed, and the output.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 import ember_kernels as ek
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from ember_spec_decode import SpeculativeConfig
+from ember_spec_decode import Proposal, SpeculativeConfig
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
@@ -26,8 +27,9 @@ from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
 from ember_worker.sampler import Sampler
 from ember_worker.sampling_metadata import build_sampling_metadata
-from ember_worker.spec_decode import SpeculativeDecoder, logprobs_per_token
+from ember_worker.spec_decode import SpeculativeDecoder
 from ember_worker.step_threads import StepThreads
+from ember_worker.step_tokens import StepTokens, logprobs_per_token, pack, unpack
 from ember_worker.structured_outputs import GrammarMatchers, XGrammarCompiler
 
 
@@ -36,7 +38,9 @@ class ModelRunner:
 
     Under pipeline parallelism (``pp``) a stage other than the first receives the previous
     stage's activations, a stage other than the last sends its own on and takes the sampled
-    tokens from the last stage, so that every stage's batch holds the same tokens.
+    tokens and the next drafts from the last stage, so that every stage's batch holds the same
+    tokens. Under tensor parallelism every rank samples the same tokens from the same logits
+    (the ranks share a seed).
     ``step_threads`` sets torch's threads for each step by its scheduled tokens (None: leave
     them alone).
     """
@@ -74,12 +78,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = Pooler(loaded.config.hidden_size, getattr(self.model, "score", None))
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
+        self.num_speculative_tokens = k
         self.grammar_matchers = (
             None if grammar_compiler is None else GrammarMatchers(grammar_compiler, max_num_seqs, k)
         )
+        # Only the last pipeline stage samples, so only it verifies and proposes (and holds a
+        # draft model); the other stages take its tokens and drafts.
         self.spec_decoder = (
             None
-            if speculative_config is None
+            if speculative_config is None or not pp.is_last
             else SpeculativeDecoder(speculative_config, self.input_batch, loaded, device)
         )
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
@@ -114,19 +121,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's outputs; None on a pipeline stage other than the last."""
+        """The step's outputs; on a pipeline stage other than the last, None, or with a KV
+        connector an output holding only its connector's report."""
         connector = self.kv_connector
         if connector is None:
             return self._execute_model(scheduler_output)
         connector.start_step(scheduler_output.kv_connector_metadata)
         output = self._execute_model(scheduler_output)
+        if output is None:  # a stage before the last: it reports only its own transfers
+            output = ModelRunnerOutput([], {}, [])
         idle = scheduler_output.total_num_scheduled_tokens == 0
         output.kv_connector_output = connector.finish_step(idle)
         return output
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
-        if spec_decode_tokens and self.spec_decoder is None:
+        if spec_decode_tokens and not self.num_speculative_tokens:
             raise ValueError(
                 "scheduled_spec_decode_tokens needs a model runner built with a speculative_config"
             )
@@ -143,70 +153,103 @@ class ModelRunner:
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             num_scheduled[index[req_id]] = count
         batch.set_num_scheduled_tokens(num_scheduled, spec_decode_tokens)
+        num_scheduled = batch.num_scheduled_tokens[: batch.num_reqs]  # less unheld drafts
         if self.step_threads is not None:
-            self.step_threads.apply(scheduler_output.total_num_scheduled_tokens)
+            self.step_threads.apply(int(num_scheduled.sum()))
         inputs = self.input_buffers.prepare()
         metadata = _attention_metadata(inputs, self.kv_connector)
         hidden_states = self._forward(inputs, metadata)
+        samples = len(self.pooler.params) < batch.num_reqs
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
-            if len(self.pooler.params) < batch.num_reqs:
-                sampled_ids = torch.empty(batch.num_reqs, dtype=torch.int64, device=self.device)
-                sampled = self.pp.share_from_last(sampled_ids).cpu().numpy()
-                sampled = batch.append_sampled_tokens(sampled)
-                if self.grammar_matchers:
-                    self.grammar_matchers.accept_sampled(index, sampled)
+            if samples:
+                self._record_tokens(None)
             return None
+        if self.spec_decoder is not None:
+            self.spec_decoder.catch_up(inputs, metadata)
         pooler_output = {}
         if self.pooler.params:
             pooler_output = self.pooler.pool(hidden_states, batch, num_scheduled)
-            if len(self.pooler.params) == batch.num_reqs:  # pooling requests only: no sampling
-                no_tokens = [[] for _ in req_ids]
-                return ModelRunnerOutput(
-                    req_ids, dict(index), no_tokens, pooler_output=pooler_output
-                )
+        if not samples:  # pooling requests only: no sampling
+            no_tokens = [[] for _ in req_ids]
+            return ModelRunnerOutput(req_ids, dict(index), no_tokens, pooler_output=pooler_output)
 
         prompt_logprobs = self._prompt_logprobs(hidden_states, num_scheduled)
-        if self.spec_decoder is not None:
-            sampled, logprobs, drafts = self.spec_decoder.step(
-                self.model,
-                hidden_states,
-                self.sampler,
-                self.grammar_matchers,
-                num_scheduled,
-                spec_decode_tokens,
-                inputs.input_ids,
-                inputs.positions,
-                metadata,
-            )
-            for req_id in self.pooler.params:  # rows sampled alongside, for nothing
-                sampled[index[req_id]] = drafts[index[req_id]] = []
-            return ModelRunnerOutput(
-                req_ids,
-                dict(index),
-                sampled,
-                logprobs,
-                prompt_logprobs,
-                spec_token_ids=drafts,
-                pooler_output=pooler_output,
-            )
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        if self.grammar_matchers:
-            self.grammar_matchers.apply_bitmask(logits, index)
-        sampler_output = self.sampler(logits, build_sampling_metadata(batch))
-        sampled_ids = self.pp.share_from_last(sampler_output.sampled_token_ids)
-        sampled = batch.append_sampled_tokens(sampled_ids.cpu().numpy())
-        if self.grammar_matchers:
-            self.grammar_matchers.accept_sampled(index, sampled)
-        for req_id in self.pooler.params:  # rows sampled alongside, for nothing
-            sampled[index[req_id]] = []
+        tokens, logprobs = self._sample(hidden_states, inputs)
+        sampled, drafts = self._record_tokens(tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(index),
             sampled_token_ids=sampled,
-            logprobs=logprobs_per_token(sampler_output, sampled),
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            spec_token_ids=None if drafts is None else drafts.to_lists(),
             pooler_output=pooler_output,
         )
+
+    def _sample(
+        self, hidden_states: torch.Tensor, inputs: ModelInputs
+    ) -> tuple[StepTokens, Logprobs | None]:
+        """The one sampling path: logits, grammar bitmask, sampler, and the rejection sampler
+        over the rows that verify drafts (their logits sit at each draft position too)."""
+        batch = self.input_batch
+        spec = self.spec_decoder
+        layout = None if spec is None else spec.layout()
+        indices = inputs.logits_indices if layout is None else layout.logits_indices
+        logits = self.model.compute_logits(hidden_states[indices.to(hidden_states.device)])
+        index = batch.req_id_to_index
+        if self.grammar_matchers and layout is None:
+            self.grammar_matchers.apply_bitmask(logits, index)
+        elif self.grammar_matchers:
+            self.grammar_matchers.apply_bitmask_with_drafts(
+                logits, index, layout.first_rows, layout.drafts_by_request(batch)
+            )
+        last_logits = logits if layout is None else logits[layout.last_index]
+        sampler_output = self.sampler(last_logits, build_sampling_metadata(batch))
+        width = 1 + self.num_speculative_tokens
+        tokens = StepTokens.one_per_row(
+            sampler_output.sampled_token_ids, batch.reached_end(), width
+        )
+        if layout is not None:
+            spec_rows, target_logits = spec.verify(logits, layout, tokens)
+        if sampler_output.logprobs is None:
+            return tokens, None
+        runs = tokens.to_lists()
+        logprobs = logprobs_per_token(sampler_output, runs)
+        if layout is not None:
+            num_drafts = layout.num_drafts[spec_rows]
+            spec.fill_draft_logprobs(logprobs, runs, target_logits, spec_rows, num_drafts)
+        return tokens, logprobs
+
+    def _record_tokens(self, tokens: StepTokens | None) -> tuple[list[list[int]], Proposal | None]:
+        """Append the step's tokens to the batch, advance the grammars and hold the next drafts.
+
+        The last stage passes the tokens it sampled and proposes the drafts; under pipeline
+        parallelism it then sends both to every other stage, which passes None here.
+        """
+        batch = self.input_batch
+        spec = self.spec_decoder
+        k = self.num_speculative_tokens
+        drafts = None
+        if tokens is None:
+            shape = (batch.num_reqs, 3 + 2 * k)
+            packed = torch.empty(shape, dtype=torch.int64, device=self.device)
+            tokens, drafts = unpack(self.pp.share_from_last(packed), 1 + k, k)
+        else:
+            for req_id in self.pooler.params:  # rows sampled alongside, for nothing
+                tokens.num_tokens[batch.req_id_to_index[req_id]] = 0
+        batch.append_token_runs(tokens.token_ids, tokens.num_tokens)
+        sampled = tokens.to_lists()
+        if self.grammar_matchers:
+            self.grammar_matchers.accept_sampled(batch.req_id_to_index, sampled)
+        if not self.pp.is_last:
+            if drafts is not None:
+                batch.drafts.hold(drafts.draft_token_ids, drafts.num_draft_tokens)
+            return sampled, drafts
+        if spec is not None:
+            drafts = spec.propose(tokens, self.grammar_matchers)
+        if self.pp.size > 1:
+            self.pp.share_from_last(pack(tokens, drafts, k).to(self.device))
+        return sampled, drafts
 
     def _forward(self, inputs: ModelInputs, metadata: AttentionMetadata) -> torch.Tensor | None:
         """The last stage's hidden states; other stages send their activations on, return None."""
@@ -237,16 +280,19 @@ class ModelRunner:
             if new_req.sampling_params.structured_outputs is not None:
                 self._add_grammar_matcher(new_req)
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        in_flight = cached.num_drafts_in_flight or [0] * len(cached.req_ids)
+        for req_id, new_block_ids, num_computed, num_drafts in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, in_flight
         ):
             if new_block_ids:
                 batch.append_block_ids(req_id, new_block_ids)
-            batch.set_num_computed_tokens(req_id, num_computed)
+            batch.set_num_computed_tokens(req_id, num_computed, num_drafts)
         batch.condense()
 
     def _add_grammar_matcher(self, new_req: NewRequestData) -> None:
         """A matcher for a constrained request; its grammar ends at its EOS or stop tokens."""
+        if self.grammar_matchers is None and not self.pp.is_last:
+            return  # a stage before the last samples nothing
         if self.grammar_matchers is None:
             raise ValueError(
                 f"request {new_req.req_id!r} has structured_outputs, but this model runner has "

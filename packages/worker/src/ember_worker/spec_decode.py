@@ -1,19 +1,23 @@
-"""The worker's half of speculative decoding: verify scheduled drafts, propose the next ones.
+"""The worker's half of speculative decoding: where drafts sit in the logits, how they are
+verified, and the next drafts.
 
-One target forward covers each row's last known token and its drafts; the logits at every one of
-those positions go to ``ember_spec_decode.rejection_sample`` with the target's processed
-distribution (the row's temperature, min-p, top-k and top-p, or a one-hot argmax for greedy
-rows), so the emitted tokens follow exactly what the sampler alone would draw. Rows without
-drafts in the same batch are sampled by the ordinary ``Sampler``.
+It plugs into the model runner's one sampling path rather than running beside it. A row with
+drafts has its logits taken at each draft position and after the last one (``DraftLayout``), not
+only at its last token; the sampler draws each row's token from its last position as for any
+row; then ``verify`` replaces the rows with drafts by what ``ember_spec_decode.rejection_sample``
+emits, given the target's processed distribution at each position (the row's temperature, min-p,
+top-k and top-p, or a one-hot argmax for greedy rows), so the emitted tokens follow exactly what
+the sampler alone would draw.
 
 Requests with structured outputs speculate too: their drafts are cut at the first token their
 grammar refuses, and each verified position's logits are masked with the grammar's state after
 the drafts before it (``GrammarMatchers.apply_bitmask_with_drafts``); the matchers then advance
 on the accepted tokens only.
-Drafts come from prompt lookup (``NgramProposer``, run here on the batch's token rows after
-sampling) or from a draft model (``DraftModelProposer``). Rows with penalties or still below
-``min_tokens`` get no drafts: their distribution at a draft
-position would depend on the drafts before it, which the processed logits here do not model.
+Drafts come from prompt lookup (``NgramProposer``, run on the batch's token rows after the step's
+tokens are appended) or from a draft model (``DraftModelProposer``), and are held in the batch
+(``DraftSlots``) for the next step. Rows with penalties or still below ``min_tokens`` get no
+drafts: their distribution at a draft position would depend on the drafts before it, which the
+processed logits here do not model.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ import numpy as np
 import torch
 
 from ember_scheduler.outputs import Logprobs
-from ember_spec_decode import NgramProposer, SpeculativeConfig, rejection_sample
+from ember_spec_decode import NgramProposer, Proposal, SpeculativeConfig, rejection_sample
 from ember_worker.draft_model import DraftModelProposer
 from ember_worker.input_batch import InputBatch
 from ember_worker.layers.attention import AttentionMetadata
+from ember_worker.model_inputs import ModelInputs
 from ember_worker.model_loader import LoadedModel
-from ember_worker.sampler import Sampler, SamplerOutput
-from ember_worker.sampling_metadata import build_sampling_metadata
+from ember_worker.sampler import Sampler
 from ember_worker.spec_sampling import ACCEPT_STREAM, processed_probs, uniforms
+from ember_worker.step_tokens import StepTokens
 from ember_worker.structured_outputs import GrammarMatchers
 
 
@@ -45,32 +50,36 @@ class DraftLayout:
     last_index: np.ndarray  # int64 [num_reqs]: each row's bonus row within logits_indices
 
     @classmethod
-    def build(
-        cls,
-        batch: InputBatch,
-        spec_decode_tokens: dict[str, list[int]],
-        query_start_loc: np.ndarray,
-        k: int,
-    ) -> DraftLayout:
+    def build(cls, batch: InputBatch, k: int) -> DraftLayout:
+        """From the drafts the batch holds for this step and its scheduled counts."""
         n = batch.num_reqs
-        num_drafts = np.zeros(n, dtype=np.int64)
-        drafts = np.zeros((n, k), dtype=np.int64)
-        index = batch.req_id_to_index
-        for req_id, tokens in spec_decode_tokens.items():
-            row = index[req_id]
-            num_drafts[row] = len(tokens)
-            drafts[row, : len(tokens)] = tokens
+        num_drafts = batch.drafts.num_drafts()
         per_row = num_drafts + 1
         ends = np.cumsum(per_row)
+        query_ends = np.cumsum(batch.num_scheduled_tokens[:n].astype(np.int64))
         row_of = np.repeat(np.arange(n), per_row)
         offset = np.arange(int(ends[-1])) - (ends - per_row)[row_of]
         # Row i's last per_row[i] scheduled tokens: its drafts' inputs and its last token.
-        positions = query_start_loc[1:][row_of] - per_row[row_of] + offset
-        return cls(num_drafts, drafts, torch.from_numpy(positions), ends - 1)
+        positions = query_ends[row_of] - per_row[row_of] + offset
+        return cls(
+            num_drafts, batch.drafts.draft_token_ids(k), torch.from_numpy(positions), ends - 1
+        )
+
+    @property
+    def first_rows(self) -> np.ndarray:
+        """Each row's first verified position within ``logits_indices``."""
+        return self.last_index - self.num_drafts
+
+    def drafts_by_request(self, batch: InputBatch) -> dict[str, list[int]]:
+        req_ids = batch.req_ids
+        return {
+            req_ids[row]: self.draft_token_ids[row, : self.num_drafts[row]].tolist()
+            for row in np.flatnonzero(self.num_drafts).tolist()
+        }
 
 
 class SpeculativeDecoder:
-    """Verifies drafts with the rejection sampler and proposes each row's next drafts."""
+    """Lays out and verifies a step's drafts with the rejection sampler; proposes the next."""
 
     def __init__(
         self,
@@ -89,68 +98,22 @@ class SpeculativeDecoder:
         else:
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
 
-    def step(
-        self,
-        model: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        sampler: Sampler,
-        grammar_matchers: GrammarMatchers | None,
-        num_scheduled: np.ndarray,
-        spec_decode_tokens: dict[str, list[int]],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> tuple[list[list[int]], Logprobs | None, list[list[int]]]:
-        """Sample this step's tokens, append them to the batch and propose the next drafts.
-
-        Returns each row's new tokens (accepted drafts and one more; one token for a row
-        without drafts; none mid-prefill), one logprobs row per token in row order (None when
-        no row asked), and each row's drafts for the next step.
-        """
-        batch = self.batch
-        n = batch.num_reqs
+    def catch_up(self, inputs: ModelInputs, metadata: AttentionMetadata) -> None:
+        """Write the draft model's KV for the tokens the target just ran over."""
         if self.draft_model is not None:
-            self.draft_model.catch_up(input_ids, positions, metadata)
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        layout = DraftLayout.build(batch, spec_decode_tokens, query_start_loc, self.k)
-        logits = model.compute_logits(hidden_states[layout.logits_indices.to(hidden_states.device)])
-        if grammar_matchers:
-            grammar_matchers.apply_bitmask_with_drafts(
-                logits,
-                batch.req_id_to_index,
-                layout.last_index - layout.num_drafts,
-                spec_decode_tokens,
-            )
-        last_logits = logits[layout.last_index]
-        sampler_output = sampler(last_logits, build_sampling_metadata(batch))
-        computed = batch.num_computed_tokens[:n]
-        reached_end = (computed + num_scheduled >= batch.num_tokens_no_spec[:n]) & (
-            num_scheduled > 0
-        )
-        tokens, logprobs = self._sample(
-            logits, layout, sampler_output, reached_end, spec_decode_tokens
-        )
-        batch.append_sampled_tokens(tokens)
-        if grammar_matchers:
-            grammar_matchers.accept_sampled(batch.req_id_to_index, tokens)
-        return tokens, logprobs, self._propose(tokens, grammar_matchers)
+            self.draft_model.catch_up(inputs.input_ids, inputs.positions, metadata)
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        layout: DraftLayout,
-        sampler_output: SamplerOutput,
-        reached_end: np.ndarray,
-        spec_decode_tokens: dict[str, list[int]],
-    ) -> tuple[list[list[int]], Logprobs | None]:
+    def layout(self) -> DraftLayout | None:
+        """This step's draft layout; None when no row verifies drafts."""
+        return DraftLayout.build(self.batch, self.k) if self.batch.drafts.any else None
+
+    def verify(
+        self, logits: torch.Tensor, layout: DraftLayout, tokens: StepTokens
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """Replace, in ``tokens``, each row with drafts by its accepted drafts and one more.
+        Returns those rows and their target logits (for ``fill_draft_logprobs``)."""
         spec_rows = np.flatnonzero(layout.num_drafts)
-        sampled = sampler_output.sampled_token_ids.tolist()
-        tokens = [[t] if ok else [] for t, ok in zip(sampled, reached_end.tolist())]
-        if spec_rows.size == 0:
-            return tokens, logprobs_per_token(sampler_output, tokens)
-        target_rows = torch.from_numpy(_runs(layout, spec_rows))
-        target_logits = logits[target_rows]
+        target_logits = logits[torch.from_numpy(_runs(layout, spec_rows)).to(logits.device)]
         num_drafts = layout.num_drafts[spec_rows]
         state = self.batch.rows[spec_rows]
         per_row = torch.from_numpy(num_drafts + 1)
@@ -165,35 +128,32 @@ class SpeculativeDecoder:
             draft_probs=(
                 None
                 if self.draft_model is None
-                else self.draft_model.take_draft_probs(spec_decode_tokens)
+                else self.draft_model.take_draft_probs(spec_rows, num_drafts)
             ),
         )
-        accepted = out.to_lists()
-        for row, run in zip(spec_rows.tolist(), accepted):
-            tokens[row] = run
-        logprobs = logprobs_per_token(sampler_output, tokens)
-        if logprobs is not None:
-            self._fill_draft_logprobs(logprobs, tokens, target_logits, spec_rows, num_drafts)
-        return tokens, logprobs
+        tokens.token_ids[spec_rows] = out.token_ids.cpu().numpy()
+        tokens.num_tokens[spec_rows] = out.num_tokens.cpu().numpy()
+        return spec_rows, target_logits
 
-    def _propose(
-        self, new_tokens: list[list[int]], grammar_matchers: GrammarMatchers | None
-    ) -> list[list[int]]:
-        """Drafts for the next step of every row that just got tokens and may speculate."""
+    def propose(self, tokens: StepTokens, grammar_matchers: GrammarMatchers | None) -> Proposal:
+        """Drafts for the next step of every row that just got tokens and may speculate (after
+        the step's tokens were appended); the batch holds them."""
         batch = self.batch
         n = batch.num_reqs
         lengths = batch.num_tokens_no_spec[:n].astype(np.int64)
-        got = np.fromiter((bool(t) for t in new_tokens), dtype=bool, count=n)
-        lengths = np.where(got & self._may_speculate(), lengths, 0)
+        lengths = np.where((tokens.num_tokens > 0) & self._may_speculate(), lengths, 0)
         if self.draft_model is not None:
-            drafts = self.draft_model.propose(np.flatnonzero(lengths)).to_lists()
+            proposal = self.draft_model.propose(np.flatnonzero(lengths))
         elif lengths.any():
-            drafts = self.ngram.propose(batch.token_ids_cpu[:n], lengths).to_lists()
+            proposal = self.ngram.propose(batch.token_ids_cpu[:n], lengths)
         else:
-            return [[] for _ in range(n)]
+            proposal = Proposal(np.zeros((n, self.k), np.int32), np.zeros(n, np.int32))
         if grammar_matchers:
+            drafts = proposal.to_lists()
             grammar_matchers.cut_drafts(batch.req_id_to_index, drafts)
-        return drafts
+            proposal.num_draft_tokens = np.array([len(d) for d in drafts], dtype=np.int32)
+        batch.drafts.hold(proposal.draft_token_ids, proposal.num_draft_tokens)
+        return proposal
 
     def _may_speculate(self) -> np.ndarray:
         state = self.batch.rows[: self.batch.num_reqs]
@@ -204,7 +164,7 @@ class SpeculativeDecoder:
             & (state["num_tokens_no_spec"] - state["num_prompt_tokens"] >= state["min_tokens"])
         )
 
-    def _fill_draft_logprobs(
+    def fill_draft_logprobs(
         self,
         logprobs: Logprobs,
         tokens: list[list[int]],
@@ -239,26 +199,3 @@ def _runs(layout: DraftLayout, rows: np.ndarray) -> np.ndarray:
     starts = layout.last_index[rows] - layout.num_drafts[rows]
     ends = np.cumsum(counts)
     return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
-
-
-def logprobs_per_token(sampler_output: SamplerOutput, tokens: list[list[int]]) -> Logprobs | None:
-    """One row per emitted token in row order, as the scheduler reads them: the sampler's row
-    for a one-token row that asked, empty rows otherwise (the caller fills in runs of accepted
-    drafts)."""
-    if sampler_output.logprobs is None:
-        return None
-    asked = dict(zip(sampler_output.logprobs_rows, range(len(sampler_output.logprobs_rows))))
-    got = sampler_output.logprobs
-    result = Logprobs([], [], [])
-    for row, run in enumerate(tokens):
-        i = asked.get(row)
-        for _ in run:
-            if i is None or len(run) > 1:
-                result.token_ids.append([])
-                result.logprobs.append([])
-                result.ranks.append(0)
-            else:
-                result.token_ids.append(got.token_ids[i])
-                result.logprobs.append(got.logprobs[i])
-                result.ranks.append(got.ranks[i])
-    return result

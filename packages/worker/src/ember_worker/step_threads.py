@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ember_scheduler.config import check_int
+
 # A step needs at least this many scheduled tokens to count as a large step.
 LARGE_STEP_MIN_TOKENS = 256
 
@@ -24,9 +26,9 @@ class StepThreads:
         self, large: int, small: int | None = None, large_min_tokens: int = LARGE_STEP_MIN_TOKENS
     ) -> None:
         small = large if small is None else small
-        for name, value in (("num_threads", large), ("small_num_threads", small)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int("num_threads", large)
+        check_int("small_num_threads", small)
+        check_int("large_step_min_tokens", large_min_tokens)
         self.large = large
         self.small = small
         self.large_min_tokens = large_min_tokens

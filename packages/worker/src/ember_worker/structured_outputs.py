@@ -109,24 +109,20 @@ class XGrammarCompiler:
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="ember-grammar")
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[bytes, Future] = OrderedDict()
+        self._cache = FutureCache(cache_size)
         self._tokenizer = str(tokenizer)
         self._compiler: Future | None = None
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.cache_key()
-        with self._lock:
+        with self._cache.lock:
             future = self._cache.get(key)
-            if future is not None:
-                self._cache.move_to_end(key)
-                return future
-            if self._compiler is None:
-                self._compiler = self._pool.submit(_make_compiler, self._tokenizer, self.vocab_size)
-            future = self._pool.submit(self._compile, spec)
-            self._cache[key] = future
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if future is None:
+                if self._compiler is None:
+                    self._compiler = self._pool.submit(
+                        _make_compiler, self._tokenizer, self.vocab_size
+                    )
+                future = self._cache.put(key, self._pool.submit(self._compile, spec))
             return future
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -135,6 +131,28 @@ class XGrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class FutureCache:
+    """Compile futures by spec key, the ``size`` most recently used (a grammar compiler's cache;
+    ``get`` and ``put`` are called holding ``lock``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self._futures: OrderedDict[bytes, Future] = OrderedDict()
+
+    def get(self, key: bytes) -> Future | None:
+        future = self._futures.get(key)
+        if future is not None:
+            self._futures.move_to_end(key)
+        return future
+
+    def put(self, key: bytes, future: Future) -> Future:
+        self._futures[key] = future
+        if len(self._futures) > self.size:
+            self._futures.popitem(last=False)
+        return future
 
 
 def _make_compiler(tokenizer_path: str, vocab_size: int) -> xgr.GrammarCompiler:

@@ -153,7 +153,7 @@ def run_engine_core(
         gc.collect()
         gc.freeze()
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])
-        step_threads = getattr(executor, "step_threads", None)  # in-process executors only
+        step_threads = executor.step_threads  # None where the ranks run in other processes
         core_sharing = None
         # Sibling data-parallel engines have cores of their own: they are not others to yield to.
         if args.num_threads is None and args.data_parallel_size == 1 and step_threads is not None:

@@ -7,14 +7,20 @@ import dataclasses
 import json
 import re
 
-from ember_kv_cache import KVTransferConfig
+from ember_kv_cache import DEFAULT_HASH_ALGO, HASH_ALGOS, KVTransferConfig
+from ember_scheduler.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SCHEDULING_POLICIES,
+    check_int,
+)
 from ember_spec_decode import SpeculativeConfig
+from ember_worker.executor_factory import EXECUTOR_BACKENDS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
-_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Whether ``async_scheduling`` is on when not given (README: measured in bench_async_scheduling).
 DEFAULT_ASYNC_SCHEDULING = False
 _BYTE_UNITS = {
@@ -40,24 +46,14 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2) or ""])
 
 
-def _json_object(text: str) -> dict:
-    """A JSON object from the command line (argparse reports the ValueError as a usage error)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
 @dataclasses.dataclass
 class EngineArgs:
     """Everything needed to build an engine; the fields are the CLI's flags (``--max-model-len``...).
 
     ``None`` means "derive it": ``max_model_len`` from the model's config,
-    ``max_num_batched_tokens`` as ``max(max_model_len, 2048)``, ``kv_cache_memory`` as 256 MiB
-    on the CPU (on a GPU the worker takes 90% of the memory left free by the model),
+    ``max_num_batched_tokens`` as ``max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)``,
+    ``kv_cache_memory`` as 256 MiB on the CPU (on a GPU the worker takes
+    ``gpu_memory_utilization`` of the memory left free by the model; None: the worker's default),
     ``tokenizer`` and ``served_model_name`` from ``model``, ``num_threads`` (torch's CPU threads in
     the engine, every step) as every core, less one under ``ember serve`` in steps under 32
     tokens while other processes use a core (see ``default_step_threads``), shared among the
@@ -70,11 +66,14 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes for the KV cache tensors
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # The chain hash of prefix-cache blocks, which also keys a KV connector's stored chunks.
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     served_model_name: str | None = None
     seed: int = 0
     scheduling_policy: str = "fcfs"  # or "priority": lower ``priority`` values run first
@@ -101,12 +100,8 @@ class EngineArgs:
         self.model = str(self.model)  # accept os.PathLike
         if self.tokenizer is not None:
             self.tokenizer = str(self.tokenizer)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineArgs.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
+            check_int(f"EngineArgs.{name}", getattr(self, name), optional=True)
         for name in (
             "max_num_seqs",
             "block_size",
@@ -114,25 +109,18 @@ class EngineArgs:
             "tensor_parallel_size",
             "pipeline_parallel_size",
         ):
+            check_int(f"EngineArgs.{name}", getattr(self, name))
+        for name, choices in (
+            ("dtype", _DTYPES),
+            ("scheduling_policy", SCHEDULING_POLICIES),
+            ("prefix_caching_hash_algo", HASH_ALGOS),
+            ("distributed_executor_backend", (None, *EXECUTOR_BACKENDS)),
+            ("runner", RUNNERS),
+            ("pooling_type", POOLING_TYPES),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
-        if self.scheduling_policy not in _POLICIES:
-            raise ValueError(
-                f"EngineArgs.scheduling_policy must be one of {_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.distributed_executor_backend not in (None, *_EXECUTOR_BACKENDS):
-            raise ValueError(
-                f"EngineArgs.distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
-                f"got {self.distributed_executor_backend!r}"
-            )
-        if self.runner not in RUNNERS:
-            raise ValueError(f"EngineArgs.runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(
-                f"EngineArgs.pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
-            )
+            if value not in choices:
+                raise ValueError(f"EngineArgs.{name} must be one of {choices}, got {value!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
         if self.speculative_config is not None:
@@ -145,26 +133,13 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
             )
-        if self.async_scheduling and self._async_conflict() is not None:
-            raise ValueError(
-                f"EngineArgs.async_scheduling cannot be combined with {self._async_conflict()}"
-            )
-
-    def _async_conflict(self) -> str | None:
-        """The setting async scheduling does not support, if one is set."""
-        if self.speculative_config is not None:
-            return "speculative_config (the next step's drafts come from this step's output)"
-        if self.kv_transfer_config is not None:
-            return "kv_transfer_config (the KV connector's loads and saves are per step)"
-        return None
 
     @property
     def use_async_scheduling(self) -> bool:
-        """``async_scheduling``, or where None, its default: on unless a setting that does not
-        support it is set."""
+        """``async_scheduling``, or where None, its default (every setting composes with it)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return DEFAULT_ASYNC_SCHEDULING and self._async_conflict() is None
+        return DEFAULT_ASYNC_SCHEDULING
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:
@@ -194,21 +169,41 @@ class EngineArgs:
             help="Context length (prompt + output); default: the model's.",
         )
         group.add_argument(
-            "--max-num-seqs", type=int, default=256, help="Most requests in one step."
+            "--max-num-seqs",
+            type=int,
+            default=DEFAULT_MAX_NUM_SEQS,
+            help="Most requests in one step.",
         )
         group.add_argument(
             "--max-num-batched-tokens",
             type=int,
             default=None,
-            help="Token budget of one step; default: max(max-model-len, 2048).",
+            help="Token budget of one step; default: max(max-model-len, "
+            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}).",
         )
-        group.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+        group.add_argument(
+            "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="Tokens per KV block."
+        )
         group.add_argument(
             "--kv-cache-memory",
             type=parse_bytes,
             default=None,
             help="Bytes for the KV cache, e.g. 536870912 or 512MiB; default: 256MiB on the CPU, "
             "90%% of the free memory on a GPU.",
+        )
+        group.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=None,
+            help="Share of the GPU memory left free by the model that the KV cache takes, in "
+            "(0, 1]; default: the worker's (0.9). Ignored with --kv-cache-memory.",
+        )
+        group.add_argument(
+            "--prefix-caching-hash-algo",
+            default=DEFAULT_HASH_ALGO,
+            choices=HASH_ALGOS,
+            help="Chain hash of prefix-cache blocks (also keys a KV connector's stored chunks); "
+            "xxhash64 and xxhash128 need the xxhash package.",
         )
         group.add_argument(
             "--enable-prefix-caching",
@@ -221,8 +216,7 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=None,
             help="Schedule the next step while the model runs this one. Default: "
-            f"{'on' if DEFAULT_ASYNC_SCHEDULING else 'off'}, and off with speculative decoding or "
-            "a KV connector.",
+            f"{'on' if DEFAULT_ASYNC_SCHEDULING else 'off'}.",
         )
         group.add_argument(
             "--served-model-name", default=None, help="Model name in the API (default: --model)."
@@ -231,7 +225,7 @@ class EngineArgs:
         group.add_argument(
             "--scheduling-policy",
             default="fcfs",
-            choices=_POLICIES,
+            choices=SCHEDULING_POLICIES,
             help="fcfs: first come, first served; priority: lower request priority runs first.",
         )
         group.add_argument(
@@ -294,7 +288,7 @@ class EngineArgs:
         group.add_argument(
             "--distributed-executor-backend",
             default=None,
-            choices=_EXECUTOR_BACKENDS,
+            choices=EXECUTOR_BACKENDS,
             help="uni: one rank in the engine process; mp: one process per rank on this machine; "
             "ray: Ray actors across a Ray cluster. Default: uni for one rank, else mp.",
         )
@@ -308,6 +302,7 @@ class EngineArgs:
 
 
 def _json_object(text: str) -> dict:
+    """A JSON object from the command line (argparse reports the error as a usage error)."""
     try:
         value = json.loads(text)
     except ValueError as exc:

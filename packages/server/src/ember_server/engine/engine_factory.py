@@ -1,4 +1,5 @@
-"""Building the engine core (scheduler + in-process executor) from ``EngineArgs``."""
+"""Building the engine core (scheduler + executor) from ``EngineArgs``: the one place where the
+user's settings become the scheduler's config and the worker's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
+    from ember_worker.distributed.worker import WorkerConfig
     from ember_worker.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,8 @@ def default_step_threads(*, served: bool, data_parallel_size: int = 1) -> StepTh
 def make_engine_core(
     args: EngineArgs, model_config: ModelConfig, *, served: bool
 ) -> tuple[EngineCore, ModelConfig]:
-    """Load the model into an in-process executor and wrap it with a scheduler.
+    """Load the model into the executor of ``args`` (in process, one process per rank, or Ray)
+    and wrap it with a scheduler.
 
     ``served``: the engine process of ``ember serve`` (see ``default_step_threads``).
 
@@ -67,21 +70,43 @@ def make_engine_core(
     """
     import torch
 
-    from ember_worker.distributed.groups import ParallelConfig
-    from ember_worker.executor import InProcessExecutor
-    from ember_worker.step_threads import StepThreads
+    from ember_worker.executor_factory import make_executor
 
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+    worker_config = make_worker_config(args, model_config, kv_cache_memory, served=served)
+    executor = make_executor(worker_config, args.distributed_executor_backend)
+    scheduler_config = make_scheduler_config(args, model_config)
+    engine_core = EngineCore(
+        executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
+    )
+    return engine_core, fit_max_model_len(args, model_config, engine_core, kv_cache_memory)
+
+
+def make_worker_config(
+    args: EngineArgs, model_config: ModelConfig, kv_cache_memory: int | None, *, served: bool
+) -> WorkerConfig:
+    """The one ``WorkerConfig`` every rank of every executor backend is built from."""
+    from ember_worker.distributed.groups import ParallelConfig
+    from ember_worker.distributed.worker import WorkerConfig
+    from ember_worker.step_threads import StepThreads
+
     step_threads = (
         StepThreads(args.num_threads)
         if args.num_threads
         else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
     parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
-    # What every executor takes alike, in process or per rank.
-    model_settings = dict(
+    if parallel.world_size > 1:
+        # The ranks share this process's cores, each with the same count for every step.
+        step_threads = StepThreads(max(1, step_threads.small // parallel.world_size))
+    kv_transfer = args.kv_transfer
+    optional = {}
+    if args.gpu_memory_utilization is not None:  # else the worker's default, the only one
+        optional["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return WorkerConfig(
+        args.model,
         tokenizer=model_config.tokenizer,
         dtype=args.dtype,
         max_model_len=model_config.max_model_len,
@@ -90,34 +115,36 @@ def make_engine_core(
         block_size=args.block_size,
         kv_cache_memory=kv_cache_memory,
         seed=args.seed,
+        num_threads=step_threads.large,
+        small_num_threads=step_threads.small,
+        large_step_min_tokens=step_threads.large_min_tokens,
+        parallel=parallel,
+        kv_transfer=None if kv_transfer is None else kv_transfer.as_dict(),
+        speculative_config=args.speculative_config,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        **optional,
     )
-    if parallel.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        executor = _rank_executor(args, model_settings, step_threads.small, parallel)
-    else:
-        executor = InProcessExecutor(
-            args.model,
-            **model_settings,
-            num_threads=step_threads,
-            kv_transfer_config=args.kv_transfer,
-            speculative_config=args.speculative_config,
-        )
-    scheduler_config = SchedulerConfig(
+
+
+def make_scheduler_config(args: EngineArgs, model_config: ModelConfig) -> SchedulerConfig:
+    """The scheduler's settings of ``args`` (limits resolved by ``model_config``)."""
+    return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=model_config.max_num_batched_tokens,
         max_model_len=model_config.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         policy=args.scheduling_policy,
         num_lookahead_tokens=(
             args.speculative_config.num_lookahead_tokens if args.speculative_config else 0
+        ),
+        num_speculative_tokens=(
+            args.speculative_config.num_speculative_tokens if args.speculative_config else 0
         ),
         # Data-parallel front ends route by what each engine's prefix cache holds.
         enable_kv_events=args.data_parallel_size > 1 and args.enable_prefix_caching,
         async_scheduling=args.use_async_scheduling,
     )
-    engine_core = EngineCore(
-        executor, scheduler_config, executor.grammar_compiler, args.kv_transfer
-    )
-    return engine_core, fit_max_model_len(args, model_config, engine_core, kv_cache_memory)
 
 
 def fit_max_model_len(
@@ -156,24 +183,3 @@ def fit_max_model_len(
         capacity,
     )
     return dataclasses.replace(model_config, max_model_len=capacity)
-
-
-def _rank_executor(args, model_settings, num_threads, parallel):
-    """The multiprocess or Ray executor (``distributed_executor_backend``) for several ranks."""
-    from ember_worker.distributed.worker import WorkerConfig
-    from ember_worker.executor_factory import make_executor
-
-    if args.speculative_config is not None:
-        raise ValueError(
-            "speculative_config needs the in-process executor (one rank); it is not implemented "
-            "with worker processes or Ray"
-        )
-    worker_config = WorkerConfig(
-        args.model,
-        **model_settings,
-        num_threads=max(1, num_threads // parallel.world_size),
-        parallel=parallel,
-    )
-    return make_executor(
-        worker_config, args.distributed_executor_backend, kv_transfer_config=args.kv_transfer
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ember_scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ember_server.engine.engine_args import EngineArgs
 from ember_worker.hf_config import (
     HFConfig,
@@ -12,8 +13,6 @@ from ember_worker.hf_config import (
     load_hf_config,
     resolve_model_path,
 )
-
-_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +76,7 @@ class ModelConfig:
             served_model_name=args.model_name,
             max_model_len=max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens
-            or max(max_model_len, _DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            or max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS),
             vocab_size=hf_config.vocab_size,
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),

@@ -16,6 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from ember_scheduler.config import check_int
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 
 
@@ -27,9 +28,7 @@ class ParallelConfig(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections import deque
@@ -23,17 +24,18 @@ import msgspec
 import torch
 import zmq
 
-from ember_kv_cache import KVTransferConfig, LayoutFingerprint, TieredKVStore
-from ember_kv_cache.rank_outputs import RankOutputCombiner
+from ember_kv_cache import TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed import mp_worker as proto
+from ember_worker.distributed.grammar_proxy import RankGrammarCompiler
 from ember_worker.distributed.groups import free_port
 from ember_worker.distributed.mp_worker import WorkerProcConfig
 from ember_worker.distributed.worker import (
+    RankAnswers,
     WorkerConfig,
     WorkerFailedError,
-    make_grammar_compiler,
     model_vocab_size,
+    scheduler_side_store,
 )
 
 _POLL_MS = 50  # how often a waiting executor checks that its workers are alive
@@ -57,16 +59,12 @@ class MultiprocExecutor:
                 )
         self.config = config
         self.block_size = config.block_size
+        self.step_threads = None  # the ranks set their own threads, in their processes
         self.kv_transfer_store: TieredKVStore | None = None  # the scheduler side's lookups
         self._world_size = parallel.world_size
-        self._output_rank = parallel.output_rank
-        # With a KV connector every rank answers each step, its connector output combined.
-        self._answering_ranks = (
-            list(range(self._world_size)) if config.kv_transfer else [self._output_rank]
-        )
-        self._combiner = RankOutputCombiner(len(self._answering_ranks))
+        self._answers = RankAnswers(config)
         self._received: dict[int, deque[ModelRunnerOutput]] = {
-            rank: deque() for rank in self._answering_ranks
+            rank: deque() for rank in self._answers.ranks
         }
         self._socket_dir = tempfile.mkdtemp(prefix="ember-workers-")
         self._context = zmq.Context()
@@ -77,6 +75,16 @@ class MultiprocExecutor:
         self._results = self._context.socket(zmq.PULL)
         self._results.setsockopt(zmq.RCVHWM, 0)
         self._results.bind(f"ipc://{self._socket_dir}/results")
+        # The output rank's grammar compile reports, read on their own thread: the scheduler
+        # waits for them between steps, while no step output is being received.
+        self.grammar_compiler = RankGrammarCompiler(self._send_compile)
+        grammar_reports = self._context.socket(zmq.PULL)
+        grammar_reports.bind(f"ipc://{self._socket_dir}/grammars")
+        self._stopping = threading.Event()
+        self._grammar_thread = threading.Thread(
+            target=self._read_grammar_reports, args=(grammar_reports,), daemon=True
+        )
+        self._grammar_thread.start()
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self.processes: list[subprocess.Popen] = []
@@ -84,7 +92,6 @@ class MultiprocExecutor:
         self._failed = False
         self._in_flight: deque[StepOutput] = deque()  # steps sent, outputs not received
         self.vocab_size = model_vocab_size(config.model)
-        self.grammar_compiler = make_grammar_compiler(config, self.vocab_size)
         try:
             self.num_kv_blocks = self._start(config, device, startup_timeout)
         except BaseException:
@@ -104,6 +111,7 @@ class MultiprocExecutor:
                 init_method=init_method,
                 broadcast_address=f"ipc://{self._socket_dir}/commands",
                 result_address=f"ipc://{self._socket_dir}/results",
+                grammar_address=f"ipc://{self._socket_dir}/grammars",
                 parent_pid=os.getpid(),
                 device=device,
             )
@@ -131,13 +139,22 @@ class MultiprocExecutor:
                 self._raise_failed(kind, rank, payload, "at start-up")
         # Every rank allocates the block count that fits the smallest budget.
         num_blocks = min(report.num_blocks for report in reports.values())
-        if config.kv_transfer is not None:
-            fingerprint = LayoutFingerprint(**reports[0].kv_fingerprint)
-            self.kv_transfer_store = KVTransferConfig.from_dict(config.kv_transfer).make_store(
-                fingerprint
-            )
+        self.kv_transfer_store = scheduler_side_store(config, reports[0].kv_fingerprint)
         self._commands.send_multipart([proto.KV_BLOCKS, str(num_blocks).encode()])
         return num_blocks
+
+    def _send_compile(self, key: bytes) -> None:
+        if not self._failed and self.processes:
+            self._commands.send_multipart([proto.COMPILE, key])
+
+    def _read_grammar_reports(self, socket: zmq.Socket) -> None:
+        try:
+            while not self._stopping.is_set():
+                if socket.poll(_POLL_MS):
+                    key, error = socket.recv_multipart()
+                    self.grammar_compiler.resolve(key, error.decode() or None)
+        finally:
+            socket.close(linger=0)
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -162,13 +179,8 @@ class MultiprocExecutor:
                 self._raise_failed(kind.bytes, rank.bytes, payload.bytes, "in a step")
             output = self._output_decoder.decode(payload.buffer)
             self._received[int(rank.bytes)].append(output)
-        outputs = [self._received[rank].popleft() for rank in self._answering_ranks]
-        output = outputs[self._answering_ranks.index(self._output_rank)]
-        if len(outputs) > 1:
-            output.kv_connector_output = self._combiner.combine(
-                [rank_output.kv_connector_output for rank_output in outputs]
-            )
-        self._in_flight.popleft().output = output
+        outputs = [self._received[rank].popleft() for rank in self._answers.ranks]
+        self._in_flight.popleft().output = self._answers.merge(outputs)
 
     def _check_alive(self, when: str, reported: set[int] | None = None) -> None:
         """WorkerFailedError naming a rank that exited, unless it is in ``reported`` (ranks that
@@ -214,11 +226,13 @@ class MultiprocExecutor:
                 self._commands.send_multipart([proto.STOP, b""])
         _stop(self.processes, 0.0 if self._failed else _STOP_GRACE_S)
         self._finalizer.detach()
+        self._stopping.set()
+        self._grammar_thread.join()
+        self.grammar_compiler.shutdown()
         self._commands.close(linger=0)
         self._results.close(linger=0)
         self._context.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
-        self.grammar_compiler.shutdown()
         if self.kv_transfer_store is not None:
             self.kv_transfer_store.close()
 

@@ -2,7 +2,9 @@
 
 It joins the ``torch.distributed`` world, loads its part of the model and reports READY with the
 KV blocks its budget holds (or FAILED with its traceback). Then it follows the executor's
-broadcast: the KV block count to allocate, each step's ``SchedulerOutput`` (msgpack), and STOP.
+broadcast: the KV block count to allocate, each step's ``SchedulerOutput`` (msgpack), a
+structured-output spec to start compiling (a rank that samples compiles it in its compiler's
+threads; the output rank reports the result on its own socket, ``grammar_proxy``), and STOP.
 Only the output rank sends the step's ``ModelRunnerOutput`` back (every rank with a KV connector:
 the executor combines their connector outputs). A step that raises sends FAILED
 and ends the process; so does the executor's process going away (checked while idle).
@@ -14,17 +16,21 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import traceback
+from concurrent.futures import Future
 
 import msgspec
 import zmq
 
 from ember_scheduler.outputs import SchedulerOutput
+from ember_scheduler.structured_outputs import StructuredOutputsParams
+from ember_worker.distributed.grammar_proxy import compile_report
 from ember_worker.distributed.groups import init_rank_groups
 from ember_worker.distributed.worker import Worker, WorkerConfig, backend_for, rank_device
 
 # Broadcast kinds (executor -> every rank): [kind, payload].
-STEP, KV_BLOCKS, STOP = b"step", b"kv", b"stop"
+STEP, KV_BLOCKS, COMPILE, STOP = b"step", b"kv", b"grammar", b"stop"
 # Result kinds (rank -> executor): [kind, rank, payload].
 READY, FAILED, OUTPUT = b"ready", b"failed", b"output"
 
@@ -47,6 +53,7 @@ class WorkerProcConfig(msgspec.Struct, frozen=True):
     init_method: str  # torch.distributed rendezvous, tcp://host:port
     broadcast_address: str
     result_address: str
+    grammar_address: str  # the output rank's compile reports: [spec key, error or b""]
     parent_pid: int
     device: str | None = None
 
@@ -59,6 +66,11 @@ def run_worker(config: WorkerProcConfig) -> int:
     results = context.socket(zmq.PUSH)
     results.connect(config.result_address)
     rank = str(config.rank).encode()
+    grammars = (
+        GrammarReports(context, config)
+        if config.rank == config.worker.parallel.output_rank
+        else None
+    )
     try:
         try:
             device = rank_device(config.rank, config.device)
@@ -71,8 +83,10 @@ def run_worker(config: WorkerProcConfig) -> int:
             results.send_multipart([FAILED, rank, traceback.format_exc().encode()])
             return 1
         results.send_multipart([READY, rank, msgspec.msgpack.encode(ready)])
-        return _serve(worker, config, commands, results, rank)
+        return _serve(worker, config, commands, results, rank, grammars)
     finally:
+        if grammars is not None:
+            grammars.close()
         commands.close(linger=0)
         results.close(linger=2000)  # let a FAILED report reach the executor
         context.term()
@@ -84,6 +98,7 @@ def _serve(
     commands: zmq.Socket,
     results: zmq.Socket,
     rank: bytes,
+    grammars: GrammarReports | None,
 ) -> int:
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
@@ -101,6 +116,13 @@ def _serve(
                 output = worker.execute_model(decoder.decode(payload.buffer))
                 if answers:
                     results.send_multipart([OUTPUT, rank, encoder.encode(output)], copy=False)
+            elif kind == COMPILE:
+                key = payload.bytes
+                if worker.grammar_compiler is not None:  # a rank that samples
+                    spec = msgspec.msgpack.decode(key, type=StructuredOutputsParams)
+                    future = worker.grammar_compiler.compile(spec)
+                    if grammars is not None:
+                        future.add_done_callback(lambda done, key=key: grammars.report(key, done))
             elif kind == KV_BLOCKS:
                 worker.initialize_kv_cache(int(payload.bytes))
             elif kind == STOP:
@@ -111,6 +133,26 @@ def _serve(
         except Exception:
             results.send_multipart([FAILED, rank, traceback.format_exc().encode()])
             return 1
+
+
+class GrammarReports:
+    """The output rank's compile reports, sent from its compiler's threads (hence the lock)."""
+
+    def __init__(self, context: zmq.Context, config: WorkerProcConfig) -> None:
+        self._lock = threading.Lock()
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.connect(config.grammar_address)
+
+    def report(self, key: bytes, future: Future) -> None:
+        error = compile_report(future)
+        with self._lock:
+            if self._socket is not None:
+                self._socket.send_multipart([key, (error or "").encode()])
+
+    def close(self) -> None:
+        with self._lock:
+            self._socket.close(linger=0)
+            self._socket = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,25 +5,35 @@ starts a local one. A placement group reserves one bundle per rank (a GPU each, 
 so that a stage's tensor-parallel ranks share a machine when they fit; rank 0's machine hosts the
 ``torch.distributed`` rendezvous. Each step's ``SchedulerOutput`` is msgpack-encoded once and put
 in Ray's object store once; every actor reads that one object. The output rank returns the
-``ModelRunnerOutput`` msgpack-encoded; a rank that raises or dies fails the step naming the rank.
+``ModelRunnerOutput`` msgpack-encoded (with a KV connector every rank does, and their connector
+reports are combined); a rank that raises or dies fails the step naming the rank.
 """
 
 from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, wait
 
 import msgspec
 import torch
 
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from ember_scheduler.structured_outputs import StructuredOutputsParams
+from ember_worker.distributed.grammar_proxy import RankGrammarCompiler, compile_report
 from ember_worker.distributed.groups import free_port, init_rank_groups
 from ember_worker.distributed.worker import (
+    RankAnswers,
     Worker,
     WorkerConfig,
     WorkerFailedError,
     backend_for,
-    make_grammar_compiler,
     model_vocab_size,
     rank_device,
+    scheduler_side_store,
 )
+
+_STOP_GRACE_S = 5.0
+_GRAMMAR_GROUP = "grammar"  # actor threads that compile grammars beside the step thread
 
 
 class RayWorker:
@@ -40,13 +50,16 @@ class RayWorker:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port('0.0.0.0')}"
 
-    def start(self, config: bytes, rank: int, init_method: str, device: str | None) -> int:
-        """Join the world, load this rank's part of the model; returns its KV block capacity."""
+    def start(
+        self, config: bytes, rank: int, init_method: str, device: str | None
+    ) -> tuple[int, dict | None]:
+        """Join the world, load this rank's part of the model; returns its KV block capacity
+        and, with a KV connector, its layout fingerprint's fields."""
         worker_config = msgspec.json.decode(config, type=WorkerConfig)
         rank_dev = rank_device(rank, device)
         groups = init_rank_groups(worker_config.parallel, rank, init_method, backend_for(rank_dev))
         self.worker = Worker(worker_config, groups, rank_dev)
-        return self.worker.num_available_blocks()
+        return self.worker.num_available_blocks(), self.worker.kv_fingerprint_fields()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
@@ -54,6 +67,22 @@ class RayWorker:
     def execute_model(self, scheduler_output: bytes) -> bytes | None:
         output = self.worker.execute_model(self._decoder.decode(scheduler_output))
         return None if output is None else self._encoder.encode(output)
+
+    def compile_grammar(self, key: bytes) -> str | None:
+        """Compile the structured-output spec ``key`` (its msgpack bytes) as this rank's
+        matchers will use it; returns None, or why it does not compile. Runs in the actor's
+        grammar concurrency group, beside its steps."""
+        if self.worker.grammar_compiler is None:  # a stage before the last samples nothing
+            return None
+        spec = msgspec.msgpack.decode(key, type=StructuredOutputsParams)
+        future = self.worker.grammar_compiler.compile(spec)
+        wait([future])
+        return compile_report(future)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's transfers and the grammar compiler before the actor goes."""
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
 class RayExecutor:
@@ -76,15 +105,17 @@ class RayExecutor:
             ray.init()
         self.config = config
         self.block_size = config.block_size
-        self.kv_transfer_store = None  # KV connectors run with one rank only
+        self.step_threads = None  # the ranks set their own threads, in their processes
+        self.kv_transfer_store = None  # the scheduler side's lookups, with a KV connector
         parallel = config.parallel
-        self._output_rank = parallel.output_rank
+        self._answers = RankAnswers(config)
         self._decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._encoder = msgspec.msgpack.Encoder()
         self.actors: list = []
         self._placement_group = None
         self.vocab_size = model_vocab_size(config.model)
-        self.grammar_compiler = make_grammar_compiler(config, self.vocab_size)
+        # Compiled by the ranks that sample; the output rank's answer resolves the future.
+        self.grammar_compiler = RankGrammarCompiler(self._send_compile)
         uses_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         resources = dict(num_gpus=1, num_cpus=0) if uses_gpu else dict(num_cpus=1)
         bundle = {"GPU": 1} if uses_gpu else {"CPU": 1}
@@ -96,7 +127,7 @@ class RayExecutor:
                     f"Ray could not place {parallel.world_size} workers of {bundle} within "
                     f"{startup_timeout:.0f} s; the cluster has {ray.cluster_resources()}"
                 )
-            actor_class = ray.remote(RayWorker)
+            actor_class = ray.remote(concurrency_groups={_GRAMMAR_GROUP: 2})(RayWorker)
             for rank in range(parallel.world_size):
                 strategy = PlacementGroupSchedulingStrategy(
                     self._placement_group, placement_group_bundle_index=rank
@@ -106,14 +137,16 @@ class RayExecutor:
                 )
             init_method = ray.get(self.actors[0].rendezvous_address.remote())
             payload = msgspec.json.encode(config)
-            blocks = self._gather(
+            reports = self._gather(
                 [
                     a.start.remote(payload, r, init_method, device)
                     for r, a in enumerate(self.actors)
                 ],
                 "at start-up",
             )
-            self.num_kv_blocks = min(blocks)
+            # Every rank allocates the block count that fits the smallest budget.
+            self.num_kv_blocks = min(blocks for blocks, _ in reports)
+            self.kv_transfer_store = scheduler_side_store(config, reports[0][1])
             self._gather(
                 [a.initialize_kv_cache.remote(self.num_kv_blocks) for a in self.actors],
                 "at start-up",
@@ -121,6 +154,23 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
+
+    def _send_compile(self, key: bytes) -> None:
+        if not self.actors:
+            return
+        refs = [
+            actor.compile_grammar.options(concurrency_group=_GRAMMAR_GROUP).remote(key)
+            for actor in self.actors
+        ]
+        answer = refs[self.config.parallel.output_rank].future()
+        answer.add_done_callback(lambda done: self._resolve_compile(key, done))
+
+    def _resolve_compile(self, key: bytes, answer: Future) -> None:
+        error = answer.exception()
+        if error is not None:  # the rank died or raised: the step that follows names it
+            self.grammar_compiler.resolve(key, f"the grammar could not be compiled: {error}")
+        else:
+            self.grammar_compiler.resolve(key, answer.result())
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -135,7 +185,8 @@ class RayExecutor:
         return step if non_block else step.result()
 
     def _output_of(self, refs: list) -> ModelRunnerOutput:
-        return self._decoder.decode(self._gather(refs, "in a step")[self._output_rank])
+        results = self._gather(refs, "in a step")
+        return self._answers.merge([self._decoder.decode(results[r]) for r in self._answers.ranks])
 
     def _gather(self, refs: list, when: str) -> list:
         """Every rank's result in rank order; the first rank to fail raises, naming the rank."""
@@ -156,6 +207,10 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kill the actors, release the placement group, and stop Ray if this executor began it."""
         ray = self._ray
+        if self.actors:
+            # Let each rank's KV connector finish its transfers; a dead rank is killed anyway.
+            with contextlib.suppress(Exception):
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=_STOP_GRACE_S)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
@@ -165,6 +220,9 @@ class RayExecutor:
             remove_placement_group(self._placement_group)
             self._placement_group = None
         self.grammar_compiler.shutdown()
+        if self.kv_transfer_store is not None:
+            self.kv_transfer_store.close()
+            self.kv_transfer_store = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
