@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-START_TIMEOUT = 300.0  # importing torch twice on a loaded 2-core machine can take a minute
+START_TIMEOUT = 300.0  # importing torch twice on a loaded small machine can take a minute
 
 
 def free_port() -> int:

@@ -1,8 +1,8 @@
 """A Hugging Face model folder's configuration, read as transformers reads it, without transformers.
 
 transformers 5 imports torch with any of its configuration classes whenever torch is installed:
-``AutoConfig`` cost the engine core 1.5 s of a 2-core machine's start-up, and put torch into the
-API server, which needs neither. For the model types Ember runs, the fields a config.json leaves
+``AutoConfig`` was the longest leg of the engine core's start-up, and put torch into the API
+server, which needs neither. For the model types Ember runs, the fields a config.json leaves
 out get the defaults of their transformers class here, and the classes' rules (head size, the
 windowed layers, the RoPE parameters, the labels) are applied as they apply them;
 ``tests/test_hf_config.py`` holds every field Ember reads to ``AutoConfig`` over many variants.

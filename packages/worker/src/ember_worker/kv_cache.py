@@ -104,14 +104,14 @@ def copy_kv_blocks(
 
 def _zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor on an anonymous memory map, whose pages the OS maps, already zero, on
-    first touch: ``torch.zeros`` writes every byte at start-up (0.4-0.8 s for 1 GiB here); the
-    first touch of a block later costs about 0.3 ms per MiB. Page-aligned (the kernels' vector
+    first touch: ``torch.zeros`` writes every byte at start-up, while a block's first touch later
+    costs a little of the step that first writes it. Page-aligned (the kernels' vector
     loads want 64 bytes).
 
     Without transparent huge pages: on a huge page the first touch maps and zeroes 2 MiB at once,
-    and on this VM that stalled a cold 1,500-token prefill of the hidden-512 Llama for 74 ms
-    (every third prompt, when its blocks crossed into a new huge page) against 3.3 ms spread
-    over every prompt on small pages; decode ran as fast on either. numpy's ``zeros``, used
+    which stalls the one prefill whose blocks cross into a new huge page far longer than small
+    pages spread over every prompt cost (the worker README has the figures); decode runs as fast
+    on either. numpy's ``zeros``, used
     before, asks for huge pages on any array of 4 MiB or more.
     """
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

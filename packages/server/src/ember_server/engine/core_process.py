@@ -149,7 +149,7 @@ def run_engine_core(
             prefix_caching_hash_algo=engine_core.kv_cache_manager.hasher.algo,
         )
         # The start-up heap (torch, transformers, the model: ~230k objects) never becomes
-        # garbage: frozen, a full collection no longer scans it (56-119 ms here, in a step).
+        # garbage: frozen, a full collection no longer scans it (a scan of that heap stalls a step).
         gc.collect()
         gc.freeze()
         input_socket.send_multipart([msg.READY, encoder.encode(ready)])

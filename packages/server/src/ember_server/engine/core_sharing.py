@@ -5,8 +5,8 @@ Two threads make a served step faster on a quiet machine, small steps included (
 ``engine_factory.default_step_threads``), but each of a step's parallel regions waits for its
 slowest thread: once another process takes a core, the thread on it stalls every region of the
 step, and small steps, made of many short regions, lose several times over (the server README
-has the figures). A virtual machine's host taking its CPUs for other VMs (steal) does the same:
-at 30% steal, served single-stream decoding ran at 89 tok/s on two threads against 251 on one.
+has the figures). A virtual machine's host taking its CPUs for other VMs (steal) does the same,
+so steal counts as taken cores.
 Large steps keep every core either way.
 """
 

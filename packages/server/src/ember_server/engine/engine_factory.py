@@ -37,16 +37,12 @@ def default_step_threads(*, served: bool, data_parallel_size: int = 1) -> StepTh
     ``data_parallel_size`` times as many threads as there are cores, each stalling the others'
     parallel regions.
 
-    Why, measured on a quiet 2-core machine (issue 12; the server README has the figures): a
-    1,500-token prefill runs 1.7x faster on two threads than on one; served, two threads for
-    every step made 1.1-1.6x the output tokens of one thread for steps under 32 tokens (tiny
-    Llama and hidden 512, concurrency 1 to 64) and cut a prefix-cached 1,500-token prompt's time
-    to first token from 12.9 to 10.4 ms (tiny) and 32 to 21 ms (hidden 512), once the engine's
-    OpenMP threads spin briefly at a barrier instead of sleeping (``core_client.ENGINE_OMP_ENV``:
-    with sleeping threads, each of a small step's parallel regions paid a wake-up and two
-    threads lost 2.6x at concurrency 1). With two CPU-bound processes beside it, two threads for
-    small steps lost 1.5-4x at concurrency 1, hence ``CoreSharing``. The count is not read from
-    the load average at start-up: a start-up during someone else's burst must not leave the
+    Why (the server README has the figures): on a quiet machine every thread helps, large
+    prefills and, served, small steps too, once the engine's OpenMP threads spin briefly at a
+    barrier instead of sleeping (``core_client.ENGINE_OMP_ENV``: with sleeping threads each of a
+    small step's parallel regions pays a wake-up). Beside CPU-bound processes, threads for small
+    steps stall on the cores those processes take, hence ``CoreSharing``. The count is not read
+    from the load average at start-up: a start-up during someone else's burst must not leave the
     engine on one thread for its whole life.
     """
     from ember_worker.step_threads import StepThreads

@@ -2,8 +2,8 @@
 
 ``AutoTokenizer`` chooses between the class a folder declares, the one its model type registers
 and ``TokenizersBackend`` by rules that read the model's config, and a config read through
-transformers imports torch: 1.4 s of the API server's start-up on 2 cores, its longest leg once
-the engine core stopped importing transformers. The class it picked is written under the user's
+transformers imports torch, the longest leg of the API server's start-up (the server README has
+the figures). The class it picked is written under the user's
 cache (``$XDG_CACHE_HOME/ember/tokenizer-classes``), keyed by the folder's path, the name, size
 and modification time of every file in it, and the transformers and tokenizers versions; a later
 start imports that class alone (no torch) and loads the folder with it, as ``AutoTokenizer``

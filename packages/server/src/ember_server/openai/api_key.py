@@ -1,8 +1,8 @@
 """The API key check: a 401 with an OpenAI error body unless ``Authorization: Bearer <key>``.
 
 A plain ASGI middleware: FastAPI's ``@app.middleware("http")`` (Starlette's BaseHTTPMiddleware)
-relays every response body chunk through a memory stream and a task group, 15 µs per streamed
-chunk here (2.1 ms more per 128-chunk stream, against nothing for this one).
+relays every response body chunk through a memory stream and a task group, a cost per streamed
+chunk that this one does not add.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ async def run_server(
         engine = starting.result()
         app = build_app(engine, api_key, tool_call_parser, max_body_size)
         # Start-up objects (transformers, the tokenizer, FastAPI: ~390k) live as long as the
-        # server: frozen, a full collection no longer scans them (134 ms, mid-stream, here).
+        # server: frozen, a full collection no longer scans them (such a scan stalls a stream).
         gc.collect()
         gc.freeze()
         # uvicorn's own wait is only the backstop: draining below ends every request in time.

@@ -5,10 +5,10 @@ For each concurrency level it sends ``--num-prompts`` requests (random token-id 
 in flight, and reports request throughput, output tokens/s, time to first token and inter-token
 latency (p50, p99; ITL is measured between streamed chunks, as vLLM's benchmark does).
 
-The client is aiohttp, as in vLLM's serving benchmark: on these 2-core machines the load generator
-shares the cores with the server, and httpx cost about 2.5 ms of client time per streamed
-1-token request against aiohttp's 0.6 (a canned local server, ``bench_client_overhead.py``),
-which the time to first token counted as the server's.
+The client is aiohttp, as in vLLM's serving benchmark: where the load generator shares the cores
+with the server, the client's own time per streamed chunk counts as the server's time to first
+token, and httpx costs several times aiohttp's (``bench_client_overhead.py`` measures both against
+a canned local server; the server README has the figures).
 """
 
 from __future__ import annotations
