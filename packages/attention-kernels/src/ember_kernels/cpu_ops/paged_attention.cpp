@@ -12,11 +12,16 @@
 // inner loop is a broadcast-multiply-add over a vector of rows; smaller tiles (decode) keep them
 // row-major and vectorize over head_size. Vectors are GCC vector extensions of the widest width
 // the build target has (vec.h; the build is per CPU: see build.py).
+//
+// float16/bfloat16 K/V are converted to float32 a chunk at a time, and softmax and accumulation
+// are float32. Where the build target has AVX512-BF16, decode scores of bfloat16 keys are
+// instead taken in place with its dot products (pairs of bfloat16 products summed in float32).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include "bf16_dot.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -61,6 +66,8 @@ struct Item {
 struct Scratch {
   std::vector<float> q, s, o, m, l, pos, kconv, vconv;
   std::vector<const float*> krows, vrows;
+  std::vector<c10::BFloat16> qb;
+  std::vector<const c10::BFloat16*> kraw;
 };
 
 template <typename T>
@@ -84,9 +91,23 @@ void chunk_rows(
       rows[j] = src;
     } else {
       float* dst = conv.data() + j * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+      int64_t d = 0;
+      for (; d + VW <= D; d += VW) store(dst + d, load_as_float(src + d));
+      for (; d < D; ++d) dst[d] = to_float(src[d]);
       rows[j] = dst;
     }
+  }
+}
+
+// Pointers to the rows of keys [k0, k0 + n) of one KV head, in place.
+template <typename T>
+void page_rows(const Params& p, const T* cache, const int32_t* blocks, int64_t kv_head, int64_t k0,
+               int64_t n, const T** rows) {
+  int64_t page = k0 / p.block_size, slot = k0 % p.block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = cache + blocks[page] * p.cache_stride_block + slot * p.cache_stride_slot +
+              kv_head * p.head_size;
+    if (++slot == p.block_size) slot = 0, ++page;
   }
 }
 
@@ -102,6 +123,7 @@ inline void prefetch_row(const float* row, int64_t n) {
     __builtin_prefetch(bytes + b, 0, 3);
   }
 }
+
 
 inline void soft_cap_scores(float* s, int64_t n, float cap) {
   const float inv = 1.f / cap;
@@ -270,11 +292,22 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
     w.kconv.resize(CHUNK * D);
     w.vconv.resize(CHUNK * D);
   }
+  // bfloat16 keys scored in place by AVX512-BF16 dot products (the query kept as it is, in
+  // bfloat16, and the scale applied to the float32 dot).
+  constexpr bool native_dot = ember_bf16::BF16_DOT && std::is_same_v<T, c10::BFloat16>;
+  const bool dot_in_place = native_dot && D % 32 == 0;
+  if (dot_in_place) {
+    w.qb.resize(M * D);
+    w.kraw.resize(CHUNK);
+  }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t t = r / G, h = it.kv_head * G + r % G;
     const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
                    h * p.q_stride_head;
     for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
+    if constexpr (native_dot) {
+      if (dot_in_place) std::memcpy(w.qb.data() + r * D, src, D * sizeof(T));
+    }
   }
   const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   float* q = w.q.data();
@@ -282,14 +315,26 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   float* o = w.o.data();
   for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
     const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
-    chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
-                  w.krows.data());
     chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
                   w.vrows.data());
-    const float* const* kr = w.krows.data();
     const float* const* vr = w.vrows.data();
+#if defined(__AVX512BF16__)
+    if constexpr (native_dot) {
+      if (dot_in_place) {
+        page_rows(p, static_cast<const c10::BFloat16*>(p.key_cache), blocks, it.kv_head, k0, n,
+                  w.kraw.data());
+        ember_bf16::bf16_dot_scores(w.qb.data(), M, D, w.kraw.data(), n, p.scale, s, CHUNK,
+                                    PREFETCH_AHEAD);
+      }
+    }
+#endif
+    if (!dot_in_place) {
+      chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
+                    w.krows.data());
+    }
+    const float* const* kr = w.krows.data();
     // Scores, two rows by four keys at a time (a tail repeats its last row or key).
-    for (int64_t r = 0; r < M; r += 2) {
+    for (int64_t r = 0; r < (dot_in_place ? 0 : M); r += 2) {
       const float* q0 = q + r * D;
       const float* q1 = q + std::min(r + 1, M - 1) * D;
       for (int64_t j = 0; j < n; j += 4) {
