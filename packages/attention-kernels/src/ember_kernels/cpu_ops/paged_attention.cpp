@@ -17,9 +17,11 @@
 // are float32. Where the build target has AVX512-BF16, decode scores of bfloat16 keys are
 // instead taken in place with its dot products (pairs of bfloat16 products summed in float32).
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include "bf16_dot.h"
 #include "kernels.h"
@@ -474,16 +476,16 @@ void run_items(const Params& p, const std::vector<Item>& items) {
 }  // namespace
 
 void paged_attention(
-    const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-    const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
-    const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
-    torch::Tensor& out) {
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
+    at::Tensor& out) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key_cache/value_cache must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
-                  query_start_loc.scalar_type() == torch::kInt32 &&
-                  query_start_loc.is_contiguous() && seq_lens.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && seq_lens.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous(),
               "block_table/query_start_loc/seq_lens must be int32 with a contiguous last dim");
   Params p{};
@@ -539,13 +541,13 @@ void paged_attention(
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   switch (query.scalar_type()) {
-    case torch::kFloat:
+    case at::kFloat:
       run_items<float>(p, items);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       run_items<c10::Half>(p, items);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       run_items<c10::BFloat16>(p, items);
       break;
     default:
