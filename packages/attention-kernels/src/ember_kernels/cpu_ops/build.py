@@ -32,7 +32,16 @@ SOURCES = [
     _HERE / name
     for name in ("paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
 ]
-HEADERS = [_HERE / name for name in ("kernels.h", "vec.h", "bf16_dot.h")]
+HEADERS = [
+    _HERE / name
+    for name in (
+        "kernels.h",
+        "vec.h",
+        "bf16_dot.h",
+        "paged_attention_common.h",
+        "attend_columns.h",
+    )
+]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
