@@ -1,14 +1,16 @@
 """Linear layers on oneDNN-packed weights (``packed_linear``) against torch's ``F.linear``.
 
-A decoder's projections in float32, shaped for the peer benchmark's tiny Llama (hidden 256,
-intermediate 512) and its wide one (hidden 512, intermediate 1536), vocabulary 8192, at 1, 8, 64,
-512 and 2,048 tokens: the fused q/k/v, the output projection, gate/up, down and the LM head.
-The baseline is ``F.linear`` on the weight as the worker keeps it (input-major), what the engine
-ran before and what transformers runs; the two are timed interleaved in one run, with torch's
-threads as the engine sets them (every core), as wall time per call. Prints GFLOP/s of each and
-the ratio (above 1: packed faster).
+A decoder's projections in float32 or bfloat16 (``--dtype``), shaped for the peer benchmark's tiny
+Llama (hidden 256, intermediate 512, vocabulary 8192), its wide one (hidden 512, intermediate 1536)
+and a Qwen2.5-0.5B-shaped model (hidden 896, 14/2 heads, intermediate 4864, vocabulary 151936),
+at 1, 8, 64, 512 and 2,048 tokens (``--tokens``): the fused q/k/v, the output projection, gate/up,
+down and the LM head. The baseline is ``F.linear`` on the weight as the worker keeps it
+(input-major, same dtype), what the engine runs on an unpacked weight and what transformers runs;
+the two are timed interleaved in one run, with torch's threads as the engine sets them (every
+core), as wall time per call. Prints GFLOP/s of each and the ratio (above 1: packed faster).
 
     python3 packages/attention-kernels/benchmarks/bench_packed_linear.py [--repeats 30]
+        [--dtype bfloat16] [--models tiny,wide,0.5b] [--tokens 1,8,64]
 """
 
 from __future__ import annotations
@@ -21,19 +23,26 @@ import torch.nn.functional as F
 
 from ember_kernels.packed_linear import linear, pack_linear_weight
 
-MODELS = {"tiny": (256, 4, 2, 512), "wide": (512, 8, 2, 1536)}  # hidden, heads, kv heads, inter
-HEAD, VOCAB = 64, 8192
+# hidden, heads, kv heads, intermediate, vocabulary
+MODELS = {
+    "tiny": (256, 4, 2, 512, 8192),
+    "wide": (512, 8, 2, 1536, 8192),
+    "0.5b": (896, 14, 2, 4864, 151936),
+}
+HEAD = 64
 TOKENS = (1, 8, 64, 512, 2048)
 
 
-def projections(hidden: int, heads: int, kv_heads: int, inter: int) -> dict[str, tuple[int, int]]:
+def projections(
+    hidden: int, heads: int, kv_heads: int, inter: int, vocab: int
+) -> dict[str, tuple[int, int]]:
     """name -> (in_features, out_features)."""
     return {
         "qkv": (hidden, (heads + 2 * kv_heads) * HEAD),
         "o_proj": (heads * HEAD, hidden),
         "gate_up": (hidden, 2 * inter),
         "down": (inter, hidden),
-        "lm_head": (hidden, VOCAB),
+        "lm_head": (hidden, vocab),
     }
 
 
@@ -52,18 +61,24 @@ def per_call_ms(fn, x: torch.Tensor, weight: torch.Tensor, repeats: int) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--models", default="tiny,wide", help=f"of {','.join(MODELS)}")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    token_counts = [int(t) for t in args.tokens.split(",")]
     gen = torch.Generator().manual_seed(0)
-    print(f"torch threads {torch.get_num_threads()}; GFLOP/s torch / packed, ratio")
-    for model, shape in MODELS.items():
-        print(f"\n{model}: " + " ".join(f"{t:>22}" for t in TOKENS))
-        for name, (n_in, n_out) in projections(*shape).items():
-            weight = torch.randn(n_in, n_out, generator=gen).t()  # input-major, as the worker
+    print(f"{args.dtype}, torch threads {torch.get_num_threads()}; GFLOP/s torch / packed, ratio")
+    for model in args.models.split(","):
+        print(f"\n{model}: " + " ".join(f"{t:>22}" for t in token_counts))
+        for name, (n_in, n_out) in projections(*MODELS[model]).items():
+            weight = torch.randn(n_in, n_out, generator=gen).to(dtype).t()  # input-major
             packed = pack_linear_weight(weight)
             cells = []
-            for tokens in TOKENS:
-                x = torch.randn(tokens, n_in, generator=gen)
-                repeats = max(3, args.repeats * 64 // max(tokens, 64))
+            for tokens in token_counts:
+                x = torch.randn(tokens, n_in, generator=gen).to(dtype)
+                work = tokens * n_in * n_out / (896 * 896)  # fewer repeats for big matmuls
+                repeats = max(3, min(args.repeats * 64 // max(tokens, 64), int(200 / work)))
                 plain = per_call_ms(F.linear, x, weight, repeats)
                 fast = per_call_ms(linear, x, packed, repeats)
                 gflop = 2 * tokens * n_in * n_out / 1e6

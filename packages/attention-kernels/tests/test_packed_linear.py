@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from ek_inputs import fresh_generator
 
+from ember_kernels.cpu_features import has_bf16_arithmetic
 from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(
@@ -33,10 +34,25 @@ def test_packed_linear_matches_torch(tokens, in_features, out_features, bias):
     assert torch.equal(linear(view, packed, b), linear(view.contiguous(), packed, b))
 
 
-def test_only_float32_cpu_matrices_are_packed():
+def test_only_cpu_matrices_of_the_packable_dtypes_are_packed():
     weight = torch.randn(8, 4)
     assert can_pack_linear_weight(weight)
-    for other in (weight.bfloat16(), weight[0], pack_linear_weight(weight)):
+    assert can_pack_linear_weight(weight.bfloat16()) == has_bf16_arithmetic()
+    for other in (weight.half(), weight[0], pack_linear_weight(weight)):
         assert not can_pack_linear_weight(other)
-    with pytest.raises(ValueError, match=r"weight: cannot pack a torch\.bfloat16 \(8, 4\)"):
-        pack_linear_weight(weight.bfloat16())
+    with pytest.raises(ValueError, match=r"weight: cannot pack a torch\.float16 \(8, 4\)"):
+        pack_linear_weight(weight.half())
+
+
+@pytest.mark.skipif(not has_bf16_arithmetic(), reason="no bfloat16 dot products on this CPU")
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_packed_bfloat16_linear_matches_torch(tokens):
+    gen, seed = fresh_generator()
+    weight = torch.randn(256, 160, generator=gen).bfloat16().t()
+    b = torch.randn(160, generator=gen).bfloat16()
+    x = torch.randn(tokens, 256, generator=gen).bfloat16()
+    got = linear(x, pack_linear_weight(weight), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 160)
+    expected = F.linear(x.double(), weight.double(), b.double())
+    # float32 accumulation, one bfloat16 rounding of the result
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ember_kernels import cpu_ops
+from ember_kernels.packed_linear import packable_dtypes
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers import linear as linear_layers
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
@@ -131,7 +132,9 @@ CPU_STACK_MODELS = [
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
 @pytest.mark.parametrize(
-    ("dtype", "packed"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
+    ("dtype", "packed"),
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
+    + [(torch.bfloat16, True)] * (torch.bfloat16 in packable_dtypes()),
 )
 @pytest.mark.parametrize(("arch", "overrides"), CPU_STACK_MODELS)
 def test_the_compiled_cpu_stack_equals_the_per_operation_path(
@@ -140,7 +143,8 @@ def test_the_compiled_cpu_stack_equals_the_per_operation_path(
     """Bit for bit, over a mixed step (prefills, a chunk after cached tokens, a decode) and then a
     decode of each sequence, each path on KV caches of its own, with plain weights and with
     weights packed for oneDNN; the stack did run, on the caches bound last."""
-    monkeypatch.setattr(linear_layers, "MIN_PACKED_ELEMENTS", 0)  # the test models' are small
+    # the test models' are small
+    monkeypatch.setitem(linear_layers.MIN_PACKED_ELEMENTS, torch.float32, 0)
     loaded = load_model(tiny_model(arch, **overrides), dtype=dtype, pack_weights=packed)
     assert loaded.model.model.layers[0].mlp.down_proj.weight.is_mkldnn == packed
     c, model = loaded.config, loaded.model

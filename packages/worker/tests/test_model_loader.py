@@ -9,10 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ember_kernels import cpu_features
+from ember_kernels.packed_linear import packable_dtypes
+from ember_worker.hf_config import load_hf_config
 from ember_worker.layers import linear as linear_layers
 from ember_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ember_worker.layers.parallel import TensorParallelGroup
-from ember_worker.model_loader import load_model, resolve_model_path, safetensors_files
+from ember_worker.model_loader import (
+    choose_dtype,
+    load_model,
+    resolve_model_path,
+    safetensors_files,
+)
 
 
 def _checkpoint(path) -> dict[str, torch.Tensor]:
@@ -134,9 +142,9 @@ def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, 
     by_size = load_model(path, pack_weights=True)
     for module in by_size.model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            big = module.weight.numel() >= linear_layers.MIN_PACKED_ELEMENTS
+            big = module.weight.numel() >= linear_layers.MIN_PACKED_ELEMENTS[torch.float32]
             assert module.weight.is_mkldnn == big
-    monkeypatch.setattr(linear_layers, "MIN_PACKED_ELEMENTS", 0)
+    monkeypatch.setitem(linear_layers.MIN_PACKED_ELEMENTS, torch.float32, 0)
     plain, packed = load_model(path), load_model(path, pack_weights=True)
     projections = [
         m for m in packed.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
@@ -153,4 +161,35 @@ def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, 
     logits = [m.model.compute_logits(hidden[0]) for m in (plain, packed)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     bf16 = load_model(path, dtype="bfloat16", pack_weights=True)
-    assert not any(p.is_mkldnn for p in bf16.model.parameters())  # float32 only
+    bf16_packs = torch.bfloat16 in packable_dtypes()  # a CPU with bfloat16 dot products
+    assert all(
+        m.weight.is_mkldnn == bf16_packs
+        for m in bf16.model.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    )
+    # bfloat16 packs a tied head as a copy; the embedding stays plain
+    assert bf16.model.lm_head.weight.is_mkldnn == bf16_packs
+    assert not bf16.model.model.embed_tokens.weight.is_mkldnn
+    if bf16_packs:
+        plain_bf16 = load_model(path, dtype="bfloat16")
+        torch.testing.assert_close(
+            bf16.model.compute_logits(hidden[0].bfloat16()),
+            plain_bf16.model.compute_logits(hidden[0].bfloat16()),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+
+
+def test_auto_dtype_runs_float16_checkpoints_as_bfloat16_on_cpus_without_float16(
+    tiny_model, monkeypatch
+):
+    config = load_hf_config(tiny_model("llama"))
+    config.dtype = "float16"
+    monkeypatch.setattr(cpu_features, "has_fp16_arithmetic", lambda: False)
+    dtype, why = choose_dtype("auto", config, "cpu")
+    assert dtype == torch.bfloat16 and "no float16 arithmetic" in why
+    assert choose_dtype("float16", config, "cpu") == (torch.float16, "asked for")
+    monkeypatch.setattr(cpu_features, "has_fp16_arithmetic", lambda: True)
+    assert choose_dtype("auto", config, "cpu")[0] == torch.float16
+    config.dtype = "bfloat16"
+    assert choose_dtype("auto", config, "cpu") == (torch.bfloat16, "auto: the checkpoint's dtype")

@@ -14,13 +14,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember_kernels.cpu_features import has_bf16_arithmetic
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes packed here: float32, and bfloat16 where the CPU has bfloat16 dot
+    products (AMX or AVX512-BF16, which oneDNN's bfloat16 matmul uses; without them it converts
+    every operand and torch's own path serves as well)."""
+    return (torch.float32, torch.bfloat16) if has_bf16_arithmetic() else (torch.float32,)
+
 
 def can_pack_linear_weight(weight: torch.Tensor) -> bool:
-    """Whether ``weight [out, in]`` can be packed here: float32 on the CPU, torch built with
-    oneDNN (not already packed)."""
+    """Whether ``weight [out, in]`` can be packed here: a ``packable_dtypes`` tensor on the CPU,
+    torch built with oneDNN (not already packed)."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in packable_dtypes()
         and weight.dim() == 2
         and not weight.is_mkldnn
         and torch.backends.mkldnn.is_available()
@@ -33,7 +42,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     if not can_pack_linear_weight(weight):
         raise ValueError(
             f"weight: cannot pack a {weight.dtype} {tuple(weight.shape)} tensor on "
-            f"{weight.device} for oneDNN (float32 [out, in] CPU tensors, torch with oneDNN)"
+            f"{weight.device} for oneDNN ([out, in] CPU tensors of {packable_dtypes()}, torch "
+            "with oneDNN)"
         )
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 

@@ -8,6 +8,7 @@ parameter shards, so peak memory is the model plus one checkpoint tensor, never 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Callable, Iterator
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ember_kernels import cpu_features
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -35,20 +38,41 @@ class LoadedModel:
     path: pathlib.Path
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig) -> torch.dtype:
-    """``"auto"`` takes the checkpoint's dtype (float32 when it names none)."""
+def resolve_dtype(
+    dtype: str | torch.dtype, hf_config: HFConfig, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """The dtype to run in (see ``choose_dtype``)."""
+    return choose_dtype(dtype, hf_config, device)[0]
+
+
+def choose_dtype(
+    dtype: str | torch.dtype, hf_config: HFConfig, device: str | torch.device = "cpu"
+) -> tuple[torch.dtype, str]:
+    """(dtype, why). An explicit dtype is kept. ``"auto"`` takes the checkpoint's dtype (float32
+    when it names none), except that a float16 checkpoint runs as bfloat16 on a CPU without
+    float16 arithmetic (same exponent range as float32, so no overflow; as vLLM's CPU backend)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype}")
-        return dtype
-    if dtype == "auto":
-        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(config_dtype, torch.dtype):
-            return config_dtype if config_dtype in DTYPES.values() else torch.float32
-        return DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
+        return dtype, "asked for"
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype], "asked for"
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, torch.dtype):
+        checkpoint = config_dtype if config_dtype in DTYPES.values() else None
+    else:
+        checkpoint = DTYPES.get(str(config_dtype).removeprefix("torch."))
+    if checkpoint is None:
+        return torch.float32, f"auto: the checkpoint names no dtype we run ({config_dtype})"
+    on_cpu = torch.device(device).type == "cpu"
+    if checkpoint == torch.float16 and on_cpu and not cpu_features.has_fp16_arithmetic():
+        return torch.bfloat16, (
+            "auto: a float16 checkpoint, run as bfloat16 because this CPU has no float16 "
+            f"arithmetic ({cpu_features.describe()})"
+        )
+    return checkpoint, "auto: the checkpoint's dtype"
 
 
 def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -101,7 +125,8 @@ def load_model(
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
     config = DecoderConfig.from_hf_config(hf_config)
-    torch_dtype = resolve_dtype(dtype, hf_config)
+    torch_dtype, why = choose_dtype(dtype, hf_config, device)
+    logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM
     with torch.device(device):
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)

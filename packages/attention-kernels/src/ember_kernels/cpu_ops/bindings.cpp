@@ -1,5 +1,5 @@
 // The Python module of the compiled CPU kernels (see kernels.h).
-#include <torch/python.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 

@@ -1,8 +1,11 @@
 // DecoderStack (kernels.h): each layer does what the per-operation path does, in the same order
 // and with the same kernels and matmuls, so the two give the same numbers.
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 
 #include "kernels.h"
 

@@ -46,15 +46,12 @@ inline float f32(T x) {
 template <typename T>
 float sum_of_squares(const T* x, int64_t n) {
   int64_t i = 0;
-  float sum = 0.f;
-  if constexpr (std::is_same_v<T, float>) {
-    vf acc = splat(0.f);
-    for (; i + VW <= n; i += VW) {
-      const vf v = load(x + i);
-      acc += v * v;
-    }
-    sum = hsum(acc);
+  vf acc = splat(0.f);
+  for (; i + VW <= n; i += VW) {
+    const vf v = load_as_float(x + i);
+    acc += v * v;
   }
+  float sum = hsum(acc);
   for (; i < n; ++i) sum += f32(x[i]) * f32(x[i]);
   return sum;
 }
@@ -63,7 +60,12 @@ float sum_of_squares(const T* x, int64_t n) {
 template <typename T>
 void norm_row(const T* x, const T* weight, int64_t n, float eps, T* out) {
   const float inv = 1.f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    const vf normed = round_as<T>(load_as_float(x + i) * inv);
+    store_as(out + i, load_as_float(weight + i) * normed);
+  }
+  for (; i < n; ++i) {
     out[i] = static_cast<T>(f32(weight[i]) * f32(static_cast<T>(f32(x[i]) * inv)));
   }
 }
@@ -96,7 +98,11 @@ void fused_add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual,
   for_rows(rows, n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* s = sum + r * ss;
-      for (int64_t i = 0; i < n; ++i) s[i] = static_cast<T>(f32(a[r * as + i]) + f32(b[r * bs + i]));
+      const T* ar = a + r * as;
+      const T* br = b + r * bs;
+      int64_t i = 0;
+      for (; i + VW <= n; i += VW) store_as(s + i, load_as_float(ar + i) + load_as_float(br + i));
+      for (; i < n; ++i) s[i] = static_cast<T>(f32(ar[i]) + f32(br[i]));
       norm_row(s, w, n, eps, dst + r * os);
     }
   });
@@ -126,8 +132,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* up = gate + d;
       T* o = dst + r * os;
       int64_t i = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        for (; i + VW <= d; i += VW) store(o + i, silu(load(gate + i)) * load(up + i));
+      for (; i + VW <= d; i += VW) {
+        store_as(o + i, round_as<T>(silu(load_as_float(gate + i))) * load_as_float(up + i));
       }
       for (; i < d; ++i) {
         o[i] = static_cast<T>(f32(static_cast<T>(silu(f32(gate[i])))) * f32(up[i]));

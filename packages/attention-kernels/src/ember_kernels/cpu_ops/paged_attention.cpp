@@ -10,14 +10,24 @@
 // Two layouts of the same algorithm: tiles with at least one vector of rows (prefill) keep their
 // queries, probabilities and output transposed ([head_size][rows], [keys][rows]) so that every
 // inner loop is a broadcast-multiply-add over a vector of rows; smaller tiles (decode) keep them
-// row-major and vectorize over head_size. Vectors are GCC vector extensions of the widest width
+// row-major and vectorize over head_size (the prefill layout is in attend_columns.h, what both
+// share in paged_attention_common.h). Vectors are GCC vector extensions of the widest width
 // the build target has (vec.h; the build is per CPU: see build.py).
-
-#include <torch/extension.h>
+//
+// float16/bfloat16 K/V are converted to float32 a chunk at a time, and softmax and accumulation
+// are float32. Where the build target has AVX512-BF16, decode scores of bfloat16 keys are
+// instead taken in place with its dot products (pairs of bfloat16 products summed in float32).
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
+#include "attend_columns.h"
+#include "bf16_dot.h"
 #include "kernels.h"
+#include "paged_attention_common.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -30,221 +40,7 @@
 
 namespace {
 
-using namespace ember_vec;
-
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-constexpr int64_t CHUNK = 64;    // keys per online-softmax step
-constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads per KV head) per prefill item
-
-struct Params {
-  const void* query;
-  const void* key_cache;
-  const void* value_cache;
-  void* out;
-  const int32_t* block_table;
-  const int32_t* query_start_loc;
-  const int32_t* seq_lens;
-  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
-  int64_t bt_stride;
-  int64_t block_size, kv_heads, group, head_size;
-  int64_t cache_stride_block, cache_stride_slot;  // in elements; a head's row is contiguous
-  float scale;
-  int64_t window;  // 0: none
-  float soft_cap;  // 0: none
-};
-
-struct Item {
-  int64_t seq, kv_head, first_token, num_tokens, cost;
-};
-
-// Per-thread scratch, grown as needed and kept between calls.
-struct Scratch {
-  std::vector<float> q, s, o, m, l, pos, kconv, vconv;
-  std::vector<const float*> krows, vrows;
-};
-
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-// Pointers to the float rows of keys [k0, k0 + n) of one KV head; half-precision rows are first
-// converted into ``conv`` (a chunk-sized scratch, not a gather of the sequence).
-template <typename T>
-void chunk_rows(
-    const Params& p, const T* cache, const int32_t* blocks, int64_t kv_head, int64_t k0, int64_t n,
-    std::vector<float>& conv, const float** rows) {
-  const int64_t D = p.head_size;
-  int64_t page = k0 / p.block_size, slot = k0 % p.block_size;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* src =
-        cache + blocks[page] * p.cache_stride_block + slot * p.cache_stride_slot + kv_head * D;
-    if (++slot == p.block_size) slot = 0, ++page;
-    if constexpr (std::is_same_v<T, float>) {
-      rows[j] = src;
-    } else {
-      float* dst = conv.data() + j * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
-      rows[j] = dst;
-    }
-  }
-}
-
-// Decode reads each key and value once, from pages scattered over the cache, which the hardware
-// prefetcher cannot follow: the scores loop asks for the keys PREFETCH_AHEAD ahead and for the
-// values of the keys it is scoring (the output pass reads them next). 1.3x on a decode step
-// whose KV is out of the caches.
-constexpr int64_t PREFETCH_AHEAD = 8;
-
-inline void prefetch_row(const float* row, int64_t n) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(float)); b += 64) {
-    __builtin_prefetch(bytes + b, 0, 3);
-  }
-}
-
-inline void soft_cap_scores(float* s, int64_t n, float cap) {
-  const float inv = 1.f / cap;
-  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
-}
-
-// Prefill layout: rows on the vector lanes. q: [D][Mp], s: [CHUNK][Mp], o: [D][Mp].
-template <typename T>
-void attend_columns(const Params& p, const Item& it, Scratch& w) {
-  const int64_t D = p.head_size, G = p.group;
-  // Rows padded to a multiple of two vectors (the micro-kernels' width).
-  const int64_t M = it.num_tokens * G, Mp = (M + 2 * VW - 1) / (2 * VW) * (2 * VW);
-  const int64_t seq_len = p.seq_lens[it.seq];
-  const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
-  const int64_t first_pos = seq_len - q_len + it.first_token;
-  const int64_t last_pos = first_pos + it.num_tokens - 1;
-  const int32_t* blocks = p.block_table + it.seq * p.bt_stride;
-  const T* query = static_cast<const T*>(p.query);
-
-  w.q.resize(D * Mp);
-  w.s.resize(CHUNK * Mp);
-  w.o.assign(D * Mp, 0.f);
-  w.m.assign(Mp, NEG_INF);
-  w.l.assign(Mp, 0.f);
-  w.pos.resize(Mp);
-  w.krows.resize(CHUNK);
-  w.vrows.resize(CHUNK);
-  if constexpr (!std::is_same_v<T, float>) {
-    w.kconv.resize(CHUNK * D);
-    w.vconv.resize(CHUNK * D);
-  }
-  // Row r is token r / G, head r % G of the group; pad rows repeat the last real row.
-  for (int64_t r = 0; r < Mp; ++r) {
-    const int64_t rr = std::min(r, M - 1), t = rr / G, h = it.kv_head * G + rr % G;
-    const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
-                   h * p.q_stride_head;
-    for (int64_t d = 0; d < D; ++d) w.q[d * Mp + r] = to_float(src[d]) * p.scale;
-    w.pos[r] = static_cast<float>(first_pos + t);
-  }
-  const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  float* q = w.q.data();
-  float* s = w.s.data();
-  float* o = w.o.data();
-  for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
-    const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
-    chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
-                  w.krows.data());
-    chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
-                  w.vrows.data());
-    const float* const* kr = w.krows.data();
-    const float* const* vr = w.vrows.data();
-    // Scores s[j][r] = q_r . k_j: eight keys by two row vectors (16 accumulators) at a time; a
-    // tail block repeats its last key and drops those results.
-    for (int64_t j = 0; j < n; j += 8) {
-      const int64_t nj = std::min<int64_t>(8, n - j);
-      const float* k[8];
-      for (int i = 0; i < 8; ++i) k[i] = kr[j + std::min<int64_t>(i, nj - 1)];
-      for (int64_t mb = 0; mb < Mp; mb += 2 * VW) {
-        vf a[8][2] = {};
-        for (int64_t d = 0; d < D; ++d) {
-          const vf q0 = load(q + d * Mp + mb), q1 = load(q + d * Mp + mb + VW);
-          for (int i = 0; i < 8; ++i) {
-            const float kd = k[i][d];
-            a[i][0] += q0 * kd;
-            a[i][1] += q1 * kd;
-          }
-        }
-        for (int64_t i = 0; i < nj; ++i) {
-          store(s + (j + i) * Mp + mb, a[i][0]);
-          store(s + (j + i) * Mp + mb + VW, a[i][1]);
-        }
-      }
-    }
-    if (p.soft_cap > 0.f) soft_cap_scores(s, n * Mp, p.soft_cap);
-    // Mask keys past a row's position (the diagonal) or before its window.
-    const bool diagonal = k0 + n - 1 > first_pos;
-    const bool window_edge = p.window && k0 <= last_pos - p.window;
-    if (diagonal || window_edge) {
-      for (int64_t mb = 0; mb < Mp; mb += VW) {
-        const vf pos = load(w.pos.data() + mb);
-        for (int64_t j = 0; j < n; ++j) {
-          const float key = static_cast<float>(k0 + j);
-          vi hidden = splat(key) > pos;
-          if (p.window) hidden |= splat(key) <= pos - static_cast<float>(p.window);
-          store(s + j * Mp + mb, hidden ? splat(NEG_INF) : load(s + j * Mp + mb));
-        }
-      }
-    }
-    // Online softmax per row, vectorized over rows.
-    for (int64_t mb = 0; mb < Mp; mb += VW) {
-      vf mx = load(w.m.data() + mb);
-      for (int64_t j = 0; j < n; ++j) mx = vmax(mx, load(s + j * Mp + mb));
-      const vf m_old = load(w.m.data() + mb);
-      // A row that has seen only masked keys so far keeps weight 0 (no inf - inf).
-      const vf m_use = mx == splat(NEG_INF) ? splat(0.f) : mx;
-      const vf alpha = exp_nonpositive(m_old - m_use);
-      vf sum = splat(0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const vf e = exp_nonpositive(load(s + j * Mp + mb) - m_use);
-        store(s + j * Mp + mb, e);
-        sum += e;
-      }
-      store(w.l.data() + mb, load(w.l.data() + mb) * alpha + sum);
-      store(w.m.data() + mb, mx);
-      for (int64_t d = 0; d < D; ++d) store(o + d * Mp + mb, load(o + d * Mp + mb) * alpha);
-    }
-    // o[d][r] += sum_j v_j[d] * s[j][r]: eight head dims by two row vectors at a time; a tail
-    // block repeats its last dim and drops those results.
-    for (int64_t d = 0; d < D; d += 8) {
-      const int64_t nd = std::min<int64_t>(8, D - d);
-      int64_t dd[8];
-      for (int i = 0; i < 8; ++i) dd[i] = d + std::min<int64_t>(i, nd - 1);
-      for (int64_t mb = 0; mb < Mp; mb += 2 * VW) {
-        vf a[8][2];
-        for (int i = 0; i < 8; ++i) {
-          a[i][0] = load(o + dd[i] * Mp + mb);
-          a[i][1] = load(o + dd[i] * Mp + mb + VW);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const vf p0 = load(s + j * Mp + mb), p1 = load(s + j * Mp + mb + VW);
-          const float* v = vr[j];
-          for (int i = 0; i < 8; ++i) {
-            const float vd = v[dd[i]];
-            a[i][0] += p0 * vd;
-            a[i][1] += p1 * vd;
-          }
-        }
-        for (int64_t i = 0; i < nd; ++i) {
-          store(o + (d + i) * Mp + mb, a[i][0]);
-          store(o + (d + i) * Mp + mb + VW, a[i][1]);
-        }
-      }
-    }
-  }
-  T* out = static_cast<T*>(p.out);
-  for (int64_t r = 0; r < M; ++r) {
-    const int64_t t = r / G, h = it.kv_head * G + r % G;
-    T* dst = out + (p.query_start_loc[it.seq] + it.first_token + t) * p.out_stride_token +
-             h * p.out_stride_head;
-    const float inv = 1.f / w.l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d * Mp + r] * inv);
-  }
-}
+using namespace ember_paged;
 
 // Decode layout: few rows (one token's heads of the group), vectorized over head_size.
 // q: [M][D], s: [M][CHUNK], o: [M][D].
@@ -270,11 +66,22 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
     w.kconv.resize(CHUNK * D);
     w.vconv.resize(CHUNK * D);
   }
+  // bfloat16 keys scored in place by AVX512-BF16 dot products (the query kept as it is, in
+  // bfloat16, and the scale applied to the float32 dot).
+  constexpr bool native_dot = ember_bf16::BF16_DOT && std::is_same_v<T, c10::BFloat16>;
+  const bool dot_in_place = native_dot && D % 32 == 0;
+  if (dot_in_place) {
+    w.qb.resize(M * D);
+    w.kraw.resize(CHUNK);
+  }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t t = r / G, h = it.kv_head * G + r % G;
     const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
                    h * p.q_stride_head;
     for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
+    if constexpr (native_dot) {
+      if (dot_in_place) std::memcpy(w.qb.data() + r * D, src, D * sizeof(T));
+    }
   }
   const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   float* q = w.q.data();
@@ -282,14 +89,26 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   float* o = w.o.data();
   for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
     const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
-    chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
-                  w.krows.data());
     chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
                   w.vrows.data());
-    const float* const* kr = w.krows.data();
     const float* const* vr = w.vrows.data();
+#if defined(__AVX512BF16__)
+    if constexpr (native_dot) {
+      if (dot_in_place) {
+        page_rows(p, static_cast<const c10::BFloat16*>(p.key_cache), blocks, it.kv_head, k0, n,
+                  w.kraw.data());
+        ember_bf16::bf16_dot_scores(w.qb.data(), M, D, w.kraw.data(), n, p.scale, s, CHUNK,
+                                    PREFETCH_AHEAD);
+      }
+    }
+#endif
+    if (!dot_in_place) {
+      chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
+                    w.krows.data());
+    }
+    const float* const* kr = w.krows.data();
     // Scores, two rows by four keys at a time (a tail repeats its last row or key).
-    for (int64_t r = 0; r < M; r += 2) {
+    for (int64_t r = 0; r < (dot_in_place ? 0 : M); r += 2) {
       const float* q0 = q + r * D;
       const float* q1 = q + std::min(r + 1, M - 1) * D;
       for (int64_t j = 0; j < n; j += 4) {
@@ -429,16 +248,16 @@ void run_items(const Params& p, const std::vector<Item>& items) {
 }  // namespace
 
 void paged_attention(
-    const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-    const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
-    const torch::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
-    torch::Tensor& out) {
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& query_start_loc,
+    const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
+    at::Tensor& out) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key_cache/value_cache must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
-                  query_start_loc.scalar_type() == torch::kInt32 &&
-                  query_start_loc.is_contiguous() && seq_lens.scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && seq_lens.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous(),
               "block_table/query_start_loc/seq_lens must be int32 with a contiguous last dim");
   Params p{};
@@ -494,13 +313,13 @@ void paged_attention(
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   switch (query.scalar_type()) {
-    case torch::kFloat:
+    case at::kFloat:
       run_items<float>(p, items);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       run_items<c10::Half>(p, items);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       run_items<c10::BFloat16>(p, items);
       break;
     default:

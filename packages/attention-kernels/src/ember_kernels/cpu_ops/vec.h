@@ -1,9 +1,18 @@
 // Vectors of floats for the CPU kernels: GCC vector extensions of the widest width the build
-// target has (the build is per CPU: see build.py), with lane reductions and exp.
+// target has (the build is per CPU: see build.py), with lane reductions, exp, and loads and stores
+// of float16/bfloat16 rows converted to and from float vectors (the arithmetic is float32).
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ember_vec {
 
@@ -78,6 +87,96 @@ inline vf exp_nonpositive(vf x) {
 inline float exp_nonpositive(float x) {
   vf v = exp_nonpositive(splat(x));
   return v[0];
+}
+
+typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(float))));
+
+inline vf bits_to_float(vu bits) {
+  vf v;
+  std::memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+inline vu float_to_bits(vf v) {
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(vf));
+  return bits;
+}
+
+// The bfloat16 bits of each lane, rounded to nearest even as c10::BFloat16 rounds (a NaN becomes
+// the quiet NaN 0x7fc0), in the high half of each 32-bit lane.
+inline vu bf16_round_bits(vf v) {
+  const vu bits = float_to_bits(v);
+  const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  return (v != v) ? vu{} + 0x7fc00000u : rounded;
+}
+
+// VW values of T at p as floats (T: float, c10::Half, c10::BFloat16).
+template <typename T>
+inline vf load_as_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vh h;
+    std::memcpy(&h, p, sizeof(vh));
+    return bits_to_float(__builtin_convertvector(h, vu) << 16);
+  } else {
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    vf out;
+    std::memcpy(&out, &v, sizeof(vf));
+    return out;
+#elif defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    vf out;
+    std::memcpy(&out, &v, sizeof(vf));
+    return out;
+#else
+    vf out;
+    for (int i = 0; i < VW; ++i) out[i] = static_cast<float>(p[i]);
+    return out;
+#endif
+  }
+}
+
+// VW floats stored at p as T, each rounded as static_cast<T> rounds it.
+template <typename T>
+inline void store_as(T* p, vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    store(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const vh h = __builtin_convertvector(bf16_round_bits(v) >> 16, vh);
+    std::memcpy(p, &h, sizeof(vh));
+  } else {
+#if defined(__AVX512F__)
+    __m512 x;
+    std::memcpy(&x, &v, sizeof(vf));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+    __m256 x;
+    std::memcpy(&x, &v, sizeof(vf));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int i = 0; i < VW; ++i) p[i] = static_cast<T>(v[i]);
+#endif
+  }
+}
+
+// Each lane rounded to T and back (the torch path's intermediate roundings, vectorized).
+template <typename T>
+inline vf round_as(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bits_to_float(bf16_round_bits(v));
+  } else {
+    T tmp[VW];
+    store_as(tmp, v);
+    return load_as_float(tmp);
+  }
 }
 
 }  // namespace ember_vec

@@ -159,19 +159,21 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
 
 
-# A smaller weight stays plain: oneDNN's own cost per call (about 10 us on a 2-core Zen 4)
+# A smaller float32 weight stays plain: oneDNN's own cost per call (about 10 us on a 2-core Zen 4)
 # outweighed its faster matmul (a 256 x 256 projection: 0.37x at one token, 0.98x at 64; 256 x 512:
-# 0.57x at one, 1.21x at 64; 512 x 512: 1.02x at one; ``bench_packed_linear.py``).
-MIN_PACKED_ELEMENTS = 1 << 17
+# 0.57x at one, 1.21x at 64; 512 x 512: 1.02x at one; ``bench_packed_linear.py``). In bfloat16
+# torch's own matmul converts its operands and oneDNN's was ahead at every size measured, down to
+# 256 x 256 at one token (1.2-1.5x), so every bfloat16 weight is packed.
+MIN_PACKED_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
 
 
 def pack_weight(module: nn.Module) -> None:
     """Replace ``module.weight`` by its copy packed for oneDNN's CPU matmul, where it can be
-    packed (float32 on the CPU: ``ember_kernels.packed_linear``) and has at least
-    ``MIN_PACKED_ELEMENTS``; the plain copy is let go, so this comes after loading. ``linear``
-    takes either kind."""
+    packed (``ember_kernels.packed_linear``: float32, and bfloat16 on CPUs with bfloat16 dot
+    products) and has at least ``MIN_PACKED_ELEMENTS`` of its dtype; the plain copy is let go, so
+    this comes after loading. ``linear`` takes either kind."""
     weight = module.weight
-    if weight.numel() >= MIN_PACKED_ELEMENTS and can_pack_linear_weight(weight):
+    if can_pack_linear_weight(weight) and weight.numel() >= MIN_PACKED_ELEMENTS[weight.dtype]:
         module.weight = nn.Parameter(pack_linear_weight(weight), requires_grad=False)
 
 

@@ -1,0 +1,64 @@
+"""What the CPU offers for reduced-precision arithmetic, one place for every choice that rests on it.
+
+oneDNN picks its kernels at run time (AMX where present, else AVX512-BF16, else a conversion to
+float32), and the compiled kernels are built per CPU (``cpu_ops.build``); what is decided here is
+only whether bfloat16 or float16 arithmetic is native, and so worth choosing: bfloat16 on a CPU
+without it converts every operand and runs slower than float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import torch
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is absent)."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _torch_says(name: str) -> bool:
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe()) if probe is not None else False
+
+
+@functools.cache
+def has_amx_bf16() -> bool:
+    """AMX tiles with bfloat16 (Sapphire Rapids and later)."""
+    return "amx_bf16" in cpu_flags() or _torch_says("_is_amx_tile_supported")
+
+
+@functools.cache
+def has_bf16_arithmetic() -> bool:
+    """Native bfloat16 dot products: AMX-BF16 or AVX512-BF16."""
+    return (
+        has_amx_bf16() or "avx512_bf16" in cpu_flags() or _torch_says("_is_avx512_bf16_supported")
+    )
+
+
+@functools.cache
+def has_fp16_arithmetic() -> bool:
+    """Native float16 arithmetic: AVX512-FP16 or AMX-FP16."""
+    flags = cpu_flags()
+    return "avx512_fp16" in flags or "amx_fp16" in flags or _torch_says("_is_amx_fp16_supported")
+
+
+def describe() -> str:
+    """One line for logs: which reduced-precision arithmetic this CPU has."""
+    parts = [
+        "AMX-BF16" if has_amx_bf16() else None,
+        "AVX512-BF16" if "avx512_bf16" in cpu_flags() else None,
+        "FP16" if has_fp16_arithmetic() else None,
+    ]
+    found = [p for p in parts if p]
+    return ", ".join(found) if found else "no native bfloat16/float16 arithmetic"

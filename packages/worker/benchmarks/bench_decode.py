@@ -1,0 +1,146 @@
+"""Batch-1 decode and batched offline throughput of a Qwen2.5-0.5B-shaped model, fp32 and bf16,
+each against its roofline measured in the same run (``ember_testing.roofline``).
+
+The model is random-weight, written by the test-model factory with Qwen2.5-0.5B's shapes (hidden
+896, 24 layers, 14/2 heads of 64, MLP 4864, vocabulary 151936, tied embeddings). The dtypes
+take turns (``--rounds``), so both see the same load; the engine runs with every core unless
+``--threads`` says otherwise.
+
+- batch 1: one 64-token prompt, 128 tokens out, greedy; decode tokens/s (first token excluded),
+  against the bytes a decode step reads (every weight, the tied head included, plus the KV cache
+  at the mean context) over a triad's bandwidth;
+- batched: 32 prompts of 64 tokens, 128 out each; output tokens/s and the matmuls' GFLOP/s
+  (2 x linear parameters per token, prompt tokens included) against the matmul library's peak
+  at that dtype.
+
+    python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ember_scheduler.config import SchedulerConfig
+from ember_scheduler.engine_core import EngineCore
+from ember_scheduler.engine_types import EngineCoreRequest
+from ember_scheduler.sampling_params import SamplingParams
+from ember_testing.roofline import batched_roofline, decode_roofline, matmul_peak, triad_bandwidth
+from ember_testing.tiny_models import tiny_model_path
+from ember_worker.executor import InProcessExecutor
+
+QWEN_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+)
+PROMPT, OUTPUT, BATCH = 64, 128, 32
+MAX_MODEL_LEN = 512
+
+
+def make_engine(dtype: str, threads: int | None) -> EngineCore:
+    executor = InProcessExecutor(
+        tiny_model_path("qwen2", **QWEN_05B),
+        dtype=dtype,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=BATCH,
+        kv_cache_memory=1 << 30,
+        num_threads=threads,
+    )
+    config = SchedulerConfig(
+        max_num_seqs=BATCH, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN
+    )
+    return EngineCore(executor, config)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(16, 2000, (count, PROMPT), generator=gen).tolist()
+
+
+def run(
+    core: EngineCore, batch: list[list[int]], tag: str, output: int = OUTPUT
+) -> tuple[float, float, int]:
+    """(seconds to the first output token of every request, seconds after it, tokens out)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        core.add_request(EngineCoreRequest(f"{tag}-{i}", prompt, params))
+    start = time.perf_counter()
+    first = None
+    produced = 0
+    while core.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+        if first is None and produced >= len(batch):
+            first = time.perf_counter()
+    return first - start, time.perf_counter() - first, produced
+
+
+def decode_bytes(dtype: torch.dtype, output: int) -> float:
+    """Bytes one batch-1 decode step reads: every weight (the embedding once, as the tied head)
+    and the KV cache at the mean context."""
+    c = QWEN_05B
+    hidden, inter, layers, head = c["hidden_size"], c["intermediate_size"], 24, 64
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_layer = hidden * (q + 2 * kv) + (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    weights = layers * per_layer + c["vocab_size"] * hidden + hidden
+    kv_per_token = 2 * layers * kv
+    mean_context = PROMPT + output / 2
+    element = torch.empty((), dtype=dtype).element_size()
+    return (weights + kv_per_token * mean_context) * element
+
+
+def linear_params() -> int:
+    c = QWEN_05B
+    hidden, inter, head = c["hidden_size"], c["intermediate_size"], 64
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    return c["num_hidden_layers"] * per_layer + c["vocab_size"] * hidden
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--output", type=int, default=OUTPUT, help="tokens out per request")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    engines = {name: make_engine(name, args.threads) for name in dtypes}
+    for name, core in engines.items():
+        run(core, prompts(2, 99), f"warmup-{name}", output=8)
+    bandwidth = triad_bandwidth()
+    peaks = {name: matmul_peak(getattr(torch, name)) for name in dtypes}
+    print(f"torch threads {torch.get_num_threads()}; triad {bandwidth / 1e9:.1f} GB/s; matmul peak "
+          + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()))  # fmt: skip
+    for round_ in range(args.rounds):
+        for name, core in engines.items():
+            dtype = getattr(torch, name)
+            _, decode_s, produced = run(
+                core, prompts(1, round_), f"b1-{name}-{round_}", args.output
+            )
+            rate = (produced - 1) / decode_s
+            print(f"batch 1  {name:9} {rate:7.1f} tok/s  "
+                  + decode_roofline(rate, decode_bytes(dtype, args.output), bandwidth), flush=True)  # fmt: skip
+            if args.skip_batched:
+                continue
+            first_s, rest_s, produced = run(
+                core, prompts(BATCH, 100 + round_), f"bn-{name}-{round_}", args.output
+            )
+            total = first_s + rest_s
+            flops = 2 * linear_params() * (produced + BATCH * (PROMPT - 1)) / total
+            print(f"batch {BATCH} {name:9} {produced / total:7.1f} out tok/s  "
+                  + batched_roofline(flops, peaks[name]), flush=True)  # fmt: skip
+    bandwidth_after = triad_bandwidth()
+    print(f"triad after the runs {bandwidth_after / 1e9:.1f} GB/s (load drift)")
+
+
+if __name__ == "__main__":
+    main()
