@@ -1,9 +1,9 @@
 """Linear layers on weights packed once for oneDNN's CPU matmul.
 
-``y = x W^T + b`` through torch's default CPU GEMM (MKL) ran at 22-30 GFLOP/s at one token and
-130-200 in batches on a 2-core AMD EPYC (Zen 4) for a decoder's shapes; oneDNN, on a weight
-reordered once into its blocked layout, 1.1-4.4x faster, except small weights at one token
-(``benchmarks/bench_packed_linear.py``). vLLM's CPU backend packs its
+``y = x W^T + b`` through torch's default CPU GEMM (MKL) is slow on some CPUs for a decoder's
+shapes, and converts bfloat16 operands on each call; oneDNN, on a weight reordered once into its
+blocked layout, is faster except for small float32 weights at one token
+(``benchmarks/bench_packed_linear.py``; the README has the figures). vLLM's CPU backend packs its
 weights for oneDNN the same way. ``pack_linear_weight`` returns an opaque oneDNN tensor that
 replaces the plain weight (no second copy); ``linear`` takes either kind, and the compiled
 decoder stack (``cpu_ops.decoder_stack``) calls the same oneDNN operation on packed weights.

@@ -159,11 +159,10 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
 
 
-# A smaller float32 weight stays plain: oneDNN's own cost per call (about 10 us on a 2-core Zen 4)
-# outweighed its faster matmul (a 256 x 256 projection: 0.37x at one token, 0.98x at 64; 256 x 512:
-# 0.57x at one, 1.21x at 64; 512 x 512: 1.02x at one; ``bench_packed_linear.py``). In bfloat16
-# torch's own matmul converts its operands and oneDNN's was ahead at every size measured, down to
-# 256 x 256 at one token (1.2-1.5x), so every bfloat16 weight is packed.
+# A smaller float32 weight stays plain: oneDNN's own fixed cost per call outweighs its faster
+# matmul below about 512 x 256 (``bench_packed_linear.py``; the attention-kernels README has the
+# figures). In bfloat16 torch's own matmul converts its operands and oneDNN's was ahead at every
+# size measured, down to 256 x 256 at one token, so every bfloat16 weight is packed.
 MIN_PACKED_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
 
 

@@ -286,8 +286,8 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_linear_weights(self) -> None:
         """Pack the projections' weights and the LM head's for oneDNN's CPU matmul where they can
-        be (``layers.linear.pack_weight``): 1.1-4.4x faster matmuls on a 2-core Zen 4 than
-        torch's default. After loading, since the plain weights are let go. A head tied to the
+        be (``layers.linear.pack_weight``): faster matmuls than torch's default (the
+        attention-kernels README has the figures). After loading, since the plain weights are let go. A head tied to the
         embedding is packed as a copy (the lookup needs the plain table) only in the dtypes of
         ``TIED_HEAD_COPY_DTYPES``."""
         for module in self.modules():
