@@ -93,3 +93,6 @@ class PriorityRequestQueue:
     def __iter__(self) -> Iterator[Request]:
         live = (e for e in self._heap if e[2] not in self._removed)
         return (e[3] for e in sorted(live))
+
+
+RequestQueue = FCFSRequestQueue | PriorityRequestQueue

@@ -3,6 +3,7 @@ tiered (CPU, disk, Redis) store for KV chunks shared across engines."""
 
 from ember_kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from ember_kv_cache.block_pool import BlockPool
+from ember_kv_cache.computed_blocks import ComputedBlocks
 from ember_kv_cache.connector import (
     ChunkTransfer,
     KVConnectorMetadata,
@@ -19,7 +20,7 @@ from ember_kv_cache.hashing import (
     BlockHashExtras,
     MultiModalItem,
 )
-from ember_kv_cache.manager import ComputedBlocks, KVCacheManager
+from ember_kv_cache.manager import KVCacheManager
 from ember_kv_cache.stats import PrefixCacheStats
 from ember_kv_cache.tier_entry import LayoutFingerprint
 from ember_kv_cache.tier_store import TieredKVStore, TierStats

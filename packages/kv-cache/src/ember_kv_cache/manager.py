@@ -5,34 +5,13 @@ from __future__ import annotations
 import numbers
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from ember_kv_cache.block import KVCacheBlock, PartialBlock
 from ember_kv_cache.block_pool import BlockPool
+from ember_kv_cache.computed_blocks import ComputedBlocks
 from ember_kv_cache.events import KVCacheEvent
 from ember_kv_cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashExtras
 from ember_kv_cache.stats import PrefixCacheStats
-
-
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """The longest cached prefix found for a request: whole blocks whose KV is already stored,
-    and (with ``reuse_partial_blocks``) the start of the next block, whose KV a free block holds
-    and the request's new block gets by copy.
-
-    Hand it to ``KVCacheManager.allocate_slots`` (as ``computed``) right after the lookup; the
-    manager refuses it with a ValueError if one of its blocks was evicted in between.
-    """
-
-    block_ids: list[int]
-    num_computed_tokens: int  # whole blocks' tokens plus num_partial_tokens
-    blocks: tuple[KVCacheBlock, ...] = field(default=(), repr=False)
-    block_hashes: tuple[bytes, ...] = field(default=(), repr=False)
-    extras: BlockHashExtras | None = field(default=None, repr=False)
-    partial_block: KVCacheBlock | None = field(default=None, repr=False)
-    num_partial_tokens: int = 0
-    # What partial_block held at the lookup (its token index entry).
-    partial_state: PartialBlock | None = field(default=None, repr=False)
 
 
 class _RequestBlocks:
@@ -246,7 +225,7 @@ class KVCacheManager:
                     f"computed blocks can only be taken over by a new request; "
                     f"{request_id!r} already holds blocks"
                 )
-            self._check_computed(computed, extras)
+            computed.check(self.block_size, extras)
             hit_blocks = computed.blocks
             computed_hashes = computed.block_hashes
             num_partial = computed.num_partial_tokens
@@ -295,33 +274,6 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(state, new_full_blocks)
         return new_block_ids
-
-    def _check_computed(self, computed: ComputedBlocks, extras: BlockHashExtras | None) -> None:
-        num_partial = computed.num_partial_tokens
-        if (
-            len(computed.blocks) != len(computed.block_hashes)
-            or len(computed.blocks) != len(computed.block_ids)
-            or computed.num_computed_tokens != len(computed.blocks) * self.block_size + num_partial
-            or not 0 <= num_partial < self.block_size
-            or (num_partial > 0) != (computed.partial_block is not None)
-        ):
-            raise ValueError("computed is not a ComputedBlocks returned by get_computed_blocks")
-        if computed.extras != extras:
-            raise ValueError("extras differ from the extras of the get_computed_blocks lookup")
-        for block, block_hash in zip(computed.blocks, computed.block_hashes):
-            if block.block_hash != block_hash:
-                raise ValueError(
-                    f"computed blocks are stale: block {block.block_id} was evicted since "
-                    "get_computed_blocks; look the prefix up again"
-                )
-        partial = computed.partial_block
-        # Identity, not equality: a block handed out and filled again with the same tokens gets a
-        # new entry, and its KV may be unwritten yet.
-        if partial is not None and partial.partial is not computed.partial_state:
-            raise ValueError(
-                f"computed blocks are stale: block {partial.block_id} was handed out since "
-                "get_computed_blocks; look the prefix up again"
-            )
 
     def _hash_new_full_blocks(
         self,
