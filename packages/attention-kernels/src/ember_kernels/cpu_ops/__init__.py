@@ -77,6 +77,16 @@ def rotary_embedding(
     )
 
 
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``(x q^T) * scales + bias`` for ``x [rows, in]`` and an int8 ``q [out, in]`` with float32
+    ``scales [out]`` (see ``ember_kernels.int8_linear``)."""
+    return _library().int8_linear(
+        x if x.stride(-1) == 1 else x.contiguous(), q.contiguous(), scales.contiguous(), bias
+    )
+
+
 def decoder_stack(
     num_heads: int,
     num_kv_heads: int,
