@@ -9,6 +9,7 @@ import re
 
 from ember_kv_cache import KVTransferConfig
 from ember_spec_decode import SpeculativeConfig
+from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -69,6 +70,8 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    # Applied to the weights after loading; "int8_weight_only" (ember_worker.quantization).
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -103,6 +106,7 @@ class EngineArgs:
             self.tokenizer = str(self.tokenizer)
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_quantization(self.quantization, "EngineArgs.quantization")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -187,6 +191,13 @@ class EngineArgs:
             "--tokenizer", default=None, help="Tokenizer folder (default: the model's)."
         )
         group.add_argument("--dtype", default="auto", choices=_DTYPES, help="Weight dtype.")
+        group.add_argument(
+            "--quantization",
+            default=None,
+            choices=QUANTIZATION_METHODS,
+            help="Quantize the weights after loading (int8_weight_only: int8 per output channel, "
+            "activations in --dtype).",
+        )
         group.add_argument(
             "--max-model-len",
             type=int,

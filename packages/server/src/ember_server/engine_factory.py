@@ -84,6 +84,7 @@ def make_engine_core(
     model_settings = dict(
         tokenizer=model_config.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=model_config.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=model_config.max_num_batched_tokens,

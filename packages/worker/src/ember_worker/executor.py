@@ -42,6 +42,7 @@ class InProcessExecutor:
         *,
         tokenizer: str | os.PathLike | None = None,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
@@ -72,7 +73,13 @@ class InProcessExecutor:
             torch.set_num_threads(step_threads.large)  # loading and warm-up
         self.step_threads = step_threads
         torch.manual_seed(seed)
-        loaded = load_model(model, dtype=dtype, device=self.device, pack_weights=True)
+        loaded = load_model(
+            model,
+            dtype=dtype,
+            device=self.device,
+            pack_weights=True,
+            quantization=quantization,
+        )
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit

@@ -22,6 +22,7 @@ from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
+from ember_worker.quantization import check_quantization
 from ember_worker.structured_outputs import XGrammarCompiler
 
 
@@ -38,6 +39,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     model: str
     tokenizer: str | None = None  # for structured outputs' grammars; None: the model's folder
     dtype: str = "auto"
+    quantization: str | None = None  # ember_worker.quantization.QUANTIZATION_METHODS
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -51,6 +53,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization, "WorkerConfig.quantization")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -91,6 +94,7 @@ class Worker:
             tp=groups.tp,
             pp=groups.pp,
             pack_weights=True,
+            quantization=config.quantization,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len

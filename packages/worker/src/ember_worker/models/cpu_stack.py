@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 def build_cpu_stack(layers: list[DecoderLayer]):
     """The compiled stack of ``layers`` (bound to their KV caches), or None where the
-    per-operation path must run: not CPU tensors, a dtype or a build the kernels lack, tensor
+    per-operation path must run: not CPU tensors, a dtype or a build the kernels lack (int8
+    weights among them: the stack's matmuls take float or oneDNN-packed weights), tensor
     parallelism (a row-parallel projection all-reduces between two operations), or no KV cache
     bound yet."""
     first = layers[0].self_attn
