@@ -4,10 +4,11 @@ A weight ``W [out, in]`` is stored as ``q = round(W / s)`` in int8 with one floa
 output channel, ``s = max|W[n, :]| / 127`` (no zero point), and ``x W^T`` is computed as
 ``(x q^T) * s`` with float32 sums and activations kept in their own dtype. Decoding a few tokens
 reads every weight once per step, so its speed is the weight bytes over memory bandwidth: int8
-halves a bfloat16 weight's bytes. The compiled kernel (``cpu_ops.int8_linear``) widens each weight
-row in registers and serves steps of up to ``COMPILED_MAX_ROWS`` rows; larger steps are bound by
-arithmetic, not bytes, and go through the float32 matmul on the weight dequantized a block of
-output channels at a time (bounded memory).
+halves a bfloat16 weight's bytes. The compiled kernel (``cpu_ops.int8_linear``, which the
+compiled decoder stack calls too) widens each weight row in registers for a step of a few rows;
+larger steps are bound by arithmetic, not bytes, and it runs them as the float32 matmul on the
+weight dequantized a block of output channels at a time. Without the compiled kernels (or off
+the CPU) the latter runs in torch here.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import torch.nn.functional as F
 from ember_kernels import cpu_ops
 
 INT8_MAX = 127
-# Above this many rows the float matmul on dequantized blocks beats widening in registers.
-COMPILED_MAX_ROWS = 16
-# Output channels dequantized at a time on the float path (a block of a 4,864-wide weight in
-# float32 is about 40 MB).
+# Output channels dequantized at a time on the torch path (a block of a 4,864-wide weight in
+# float32 is about 40 MB), as the compiled kernel's large steps.
 DEQUANTIZE_BLOCK = 2048
 
 
@@ -56,12 +55,7 @@ def int8_linear(
     if q.dtype != torch.int8 or scales.dtype != torch.float32:
         raise ValueError(f"q/scales: expected int8 and float32, got {q.dtype} and {scales.dtype}")
     rows = x.reshape(-1, x.shape[-1])
-    if (
-        rows.shape[0] <= COMPILED_MAX_ROWS
-        and x.device.type == "cpu"
-        and x.dtype in cpu_ops.DTYPES
-        and cpu_ops.available()
-    ):
+    if x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES and cpu_ops.available():
         out = cpu_ops.int8_linear(rows, q, scales, bias)
     else:
         out = _dequantized_linear(rows, q, scales, bias)
@@ -71,8 +65,7 @@ def int8_linear(
 def _dequantized_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    # In float32 and rounded once, as the compiled kernel: a sequence's numbers then do not
-    # depend on how many rows share its step beyond that rounding.
+    # In float32 and rounded once, as the compiled kernel.
     x32 = x.float()
     out = x.new_empty(x.shape[0], q.shape[0])
     for start in range(0, q.shape[0], DEQUANTIZE_BLOCK):

@@ -14,5 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack", "Pre-norm decoder layers in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_weight_scales", &DecoderStack::set_weight_scales)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

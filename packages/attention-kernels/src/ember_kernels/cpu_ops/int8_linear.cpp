@@ -1,12 +1,15 @@
 // Weight-only int8 matmul: y = (x q^T) * scale + bias for int8 weights q [N, K] quantized per
-// output channel, activations float32/bfloat16/float16. Each weight row is read once, widened to
-// float in registers and multiplied into up to ROWS activation rows at a time, so a step of a few
-// tokens reads half the bytes of a bfloat16 weight (a quarter of a float32 one); the products are
-// summed in float32 and rounded once to the activation dtype.
+// output channel, activations float32/bfloat16/float16, summed in float32 and rounded once to the
+// activation dtype. Steps of up to MAX_WIDENED_ROWS rows (decoding) read each weight row once,
+// widen it to float in registers and multiply it into up to ROWS activation rows at a time: half
+// the bytes of a bfloat16 weight. Larger steps are bound by arithmetic, not bytes: they run the
+// float32 matmul on the weight dequantized DEQUANTIZE_BLOCK output channels at a time.
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -30,6 +33,8 @@ using namespace ember_vec;
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 
 constexpr int ROWS = 4;                    // activation rows sharing one pass over a weight row
+constexpr int64_t MAX_WIDENED_ROWS = 16;   // above: the dequantized float32 matmul is faster
+constexpr int64_t DEQUANTIZE_BLOCK = 2048;  // output channels dequantized at a time (bounded memory)
 constexpr int64_t GRAIN_BYTES = 1 << 16;   // weight bytes per thread below which one thread runs
 
 // Sign-extend and convert in two instructions (GCC lowers __builtin_convertvector from int8 to a
@@ -108,6 +113,20 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   });
 }
 
+void dequantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const at::Tensor& bias, at::Tensor& out) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const int64_t N = weight.size(0);
+  for (int64_t start = 0; start < N; start += DEQUANTIZE_BLOCK) {
+    const int64_t size = std::min(DEQUANTIZE_BLOCK, N - start);
+    const at::Tensor w = weight.narrow(0, start, size).to(at::kFloat) *
+                         scales.narrow(0, start, size).unsqueeze(1);
+    at::Tensor block = at::linear(x32, w);
+    if (bias.defined()) block.add_(bias.narrow(0, start, size));
+    out.narrow(1, start, size).copy_(block);
+  }
+}
+
 }  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -120,6 +139,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (x.size(0) > MAX_WIDENED_ROWS) {
+    dequantized_linear(x, weight, scales, b, out);
+    return out;
+  }
   switch (x.scalar_type()) {
     case at::kFloat: int8_linear_impl<float>(x, weight, scales, b, out); break;
     case at::kBFloat16: int8_linear_impl<c10::BFloat16>(x, weight, scales, b, out); break;

@@ -302,8 +302,8 @@ class DecoderForCausalLM(nn.Module):
     def quantize_linear_weights(self) -> None:
         """Quantize the projections' weights and the LM head's to int8 per output channel
         (``layers.linear.quantize_weight``), after loading; a head tied to the embedding is
-        quantized as a copy (the lookup keeps the float table). The compiled CPU stack then
-        stands aside for the per-operation path (``cpu_stack.build_cpu_stack``)."""
+        quantized as a copy (the lookup keeps the float table). The compiled CPU stack calls the
+        same int8 matmul (``cpu_stack.build_cpu_stack``)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 quantize_weight(module)
