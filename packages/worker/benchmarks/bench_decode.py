@@ -1,5 +1,6 @@
-"""Batch-1 decode and batched offline throughput of a Qwen2.5-0.5B-shaped model, fp32 and bf16,
-each against its roofline measured in the same run (``ember_testing.roofline``).
+"""Batch-1 decode and batched offline throughput of a Qwen2.5-0.5B-shaped model, fp32 and bf16
+(and int8 weight-only), each against its roofline measured in the same run
+(``ember_testing.roofline``).
 
 The model is random-weight, written by the test-model factory with Qwen2.5-0.5B's shapes (hidden
 896, 24 layers, 14/2 heads of 64, MLP 4864, vocabulary 151936, tied embeddings). The dtypes
@@ -13,7 +14,13 @@ take turns (``--rounds``), so both see the same load; the engine runs with every
   (2 x linear parameters per token, prompt tokens included) against the matmul library's peak
   at that dtype.
 
+A ``--dtypes`` entry ``bfloat16-int8`` (or ``float32-int8``) runs that dtype with
+``quantization="int8_weight_only"``: its bytes per token count the linear weights and the head at
+one byte each plus their float32 scales; its batched peak is the matmul library's at the
+activation dtype.
+
     python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
+    python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16,bfloat16-int8 --skip-batched
 """
 
 from __future__ import annotations
@@ -45,10 +52,15 @@ PROMPT, OUTPUT, BATCH = 64, 128, 32
 MAX_MODEL_LEN = 512
 
 
-def make_engine(dtype: str, threads: int | None) -> EngineCore:
+INT8_SUFFIX = "-int8"
+
+
+def make_engine(name: str, threads: int | None) -> EngineCore:
+    dtype, quantized, _ = name.partition(INT8_SUFFIX)
     executor = InProcessExecutor(
         tiny_model_path("qwen2", **QWEN_05B),
         dtype=dtype,
+        quantization="int8_weight_only" if quantized else None,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=BATCH,
         kv_cache_memory=1 << 30,
@@ -82,9 +94,11 @@ def run(
     return first - start, time.perf_counter() - first, produced
 
 
-def decode_bytes(dtype: torch.dtype, output: int) -> float:
+def decode_bytes(dtype: torch.dtype, output: int, int8: bool = False) -> float:
     """Bytes one batch-1 decode step reads: every weight (the embedding once, as the tied head)
-    and the KV cache at the mean context."""
+    and the KV cache at the mean context; with ``int8``, the linear weights and the head at one
+    byte each plus a float32 scale per output channel (the embedding table is then not read but
+    for one row)."""
     c = QWEN_05B
     hidden, inter, layers, head = c["hidden_size"], c["intermediate_size"], 24, 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
@@ -93,6 +107,9 @@ def decode_bytes(dtype: torch.dtype, output: int) -> float:
     kv_per_token = 2 * layers * kv
     mean_context = PROMPT + output / 2
     element = torch.empty((), dtype=dtype).element_size()
+    if int8:
+        linear, rows = linear_params(), linear_rows()
+        return linear + 4 * rows + (weights - linear + kv_per_token * mean_context) * element
     return (weights + kv_per_token * mean_context) * element
 
 
@@ -102,6 +119,15 @@ def linear_params() -> int:
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
     return c["num_hidden_layers"] * per_layer + c["vocab_size"] * hidden
+
+
+def linear_rows() -> int:
+    """Output channels of the linear weights and the head (one int8 scale each)."""
+    c = QWEN_05B
+    hidden, inter, head = c["hidden_size"], c["intermediate_size"], 64
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_layer = (q + 2 * kv) + hidden + 2 * inter + hidden
+    return c["num_hidden_layers"] * per_layer + c["vocab_size"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,18 +143,20 @@ def main(argv: list[str] | None = None) -> None:
     for name, core in engines.items():
         run(core, prompts(2, 99), f"warmup-{name}", output=8)
     bandwidth = triad_bandwidth()
-    peaks = {name: matmul_peak(getattr(torch, name)) for name in dtypes}
+    activation = {name: name.partition(INT8_SUFFIX)[0] for name in dtypes}
+    peaks = {name: matmul_peak(getattr(torch, name)) for name in set(activation.values())}
     print(f"torch threads {torch.get_num_threads()}; triad {bandwidth / 1e9:.1f} GB/s; matmul peak "
           + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()))  # fmt: skip
     for round_ in range(args.rounds):
         for name, core in engines.items():
-            dtype = getattr(torch, name)
+            dtype = getattr(torch, activation[name])
+            int8 = name.endswith(INT8_SUFFIX)
             _, decode_s, produced = run(
                 core, prompts(1, round_), f"b1-{name}-{round_}", args.output
             )
             rate = (produced - 1) / decode_s
-            print(f"batch 1  {name:9} {rate:7.1f} tok/s  "
-                  + decode_roofline(rate, decode_bytes(dtype, args.output), bandwidth), flush=True)  # fmt: skip
+            print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
+                  + decode_roofline(rate, decode_bytes(dtype, args.output, int8), bandwidth), flush=True)  # fmt: skip
             if args.skip_batched:
                 continue
             first_s, rest_s, produced = run(
@@ -136,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             total = first_s + rest_s
             flops = 2 * linear_params() * (produced + BATCH * (PROMPT - 1)) / total
-            print(f"batch {BATCH} {name:9} {produced / total:7.1f} out tok/s  "
-                  + batched_roofline(flops, peaks[name]), flush=True)  # fmt: skip
+            print(f"batch {BATCH} {name:14} {produced / total:7.1f} out tok/s  "
+                  + batched_roofline(flops, peaks[activation[name]]), flush=True)  # fmt: skip
     bandwidth_after = triad_bandwidth()
     print(f"triad after the runs {bandwidth_after / 1e9:.1f} GB/s (load drift)")
 

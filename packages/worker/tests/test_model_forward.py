@@ -134,7 +134,8 @@ CPU_STACK_MODELS = [
 @pytest.mark.parametrize(
     ("dtype", "packed"),
     [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
-    + [(torch.bfloat16, True)] * (torch.bfloat16 in packable_dtypes()),
+    + [(torch.bfloat16, True)] * (torch.bfloat16 in packable_dtypes())
+    + [(torch.float32, "int8"), (torch.bfloat16, "int8")],
 )
 @pytest.mark.parametrize(("arch", "overrides"), CPU_STACK_MODELS)
 def test_the_compiled_cpu_stack_equals_the_per_operation_path(
@@ -142,11 +143,19 @@ def test_the_compiled_cpu_stack_equals_the_per_operation_path(
 ):
     """Bit for bit, over a mixed step (prefills, a chunk after cached tokens, a decode) and then a
     decode of each sequence, each path on KV caches of its own, with plain weights and with
-    weights packed for oneDNN; the stack did run, on the caches bound last."""
+    weights packed for oneDNN, and with int8 weights (``int8_weight_only``); the stack did run, on
+    the caches bound last."""
     # the test models' are small
     monkeypatch.setitem(linear_layers.MIN_PACKED_ELEMENTS, torch.float32, 0)
-    loaded = load_model(tiny_model(arch, **overrides), dtype=dtype, pack_weights=packed)
-    assert loaded.model.model.layers[0].mlp.down_proj.weight.is_mkldnn == packed
+    int8 = packed == "int8"
+    loaded = load_model(
+        tiny_model(arch, **overrides),
+        dtype=dtype,
+        pack_weights=packed is True,
+        quantization="int8_weight_only" if int8 else None,
+    )
+    down = loaded.model.model.layers[0].mlp.down_proj.weight
+    assert down.is_mkldnn == (packed is True) and (down.dtype == torch.int8) == int8
     c, model = loaded.config, loaded.model
     spec = KVCacheSpec(c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
     gen = torch.Generator().manual_seed(1)

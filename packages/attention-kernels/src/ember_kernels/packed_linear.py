@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ember_kernels.cpu_features import has_bf16_arithmetic
+from ember_kernels.int8_linear import int8_linear
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -48,8 +49,18 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for a plain weight or one from ``pack_linear_weight``."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x W^T + b`` for a plain weight, one from ``pack_linear_weight``, or an int8 one with its
+    per-channel ``scales`` (``ember_kernels.int8_linear.quantize_int8``)."""
+    if weight.dtype == torch.int8:
+        if scales is None:
+            raise ValueError("scales: an int8 weight needs its per-channel scales")
+        return int8_linear(x, weight, scales, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

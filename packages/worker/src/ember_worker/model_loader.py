@@ -21,6 +21,7 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
+from ember_worker.quantization import check_quantization, quantize_model
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -114,6 +115,7 @@ def load_model(
     pp: PipelineStage = SINGLE_STAGE,
     revision: str | None = None,
     pack_weights: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
 
@@ -121,7 +123,9 @@ def load_model(
     each checkpoint tensor's slice into them as it is read (tensors of other stages are skipped).
     ``pack_weights`` then packs the linear weights for oneDNN where it can (float32 on the CPU;
     ``DecoderForCausalLM.pack_linear_weights``), as the engine does; off, every weight stays a
-    plain tensor."""
+    plain tensor. ``quantization`` (``ember_worker.quantization``) is applied after loading,
+    before packing; packing leaves int8 weights as they are."""
+    check_quantization(quantization)
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
     config = DecoderConfig.from_hf_config(hf_config)
@@ -132,6 +136,9 @@ def load_model(
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
     decoder.load_weights(iterate_weights(safetensors_files(path), keep=decoder.holds_tensor))
     decoder.eval()
+    if quantization is not None:
+        quantize_model(decoder, quantization)
+        logger.info("weights quantized: %s", quantization)
     if pack_weights:
         decoder.pack_linear_weights()
     return LoadedModel(decoder, config, hf_config, torch_dtype, path)

@@ -77,6 +77,16 @@ def rotary_embedding(
     )
 
 
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``(x q^T) * scales + bias`` for ``x [rows, in]`` and an int8 ``q [out, in]`` with float32
+    ``scales [out]`` (see ``ember_kernels.int8_linear``)."""
+    return _library().int8_linear(
+        x if x.stride(-1) == 1 else x.contiguous(), q.contiguous(), scales.contiguous(), bias
+    )
+
+
 def decoder_stack(
     num_heads: int,
     num_kv_heads: int,
@@ -90,7 +100,8 @@ def decoder_stack(
     shapes; see ``kernels.h``). Give it each layer with ``add_layer(input_norm, qkv, qkv_bias,
     q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, key_cache,
     value_cache, sliding_window)`` (weights as ``[out, in]`` tensors, held, not copied; absent
-    biases and norms as None; window 0 for none), then call ``forward(hidden_states, residual,
+    biases and norms as None; window 0 for none; int8 weights followed by
+    ``set_weight_scales(qkv, o_proj, gate_up, down)`` with their per-channel scales), then call ``forward(hidden_states, residual,
     positions, slot_mapping, block_table, query_start_loc, seq_lens)`` for ``(hidden_states,
     residual)`` after every layer, with the same numbers as the per-operation functions here.
     Runs without the GIL."""

@@ -10,8 +10,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding from a cos/sin cache (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into paged caches (CPU)");
+  m.def("int8_linear", &int8_linear, "Matmul with a per-channel int8 weight (CPU)");
   pybind11::class_<DecoderStack>(m, "DecoderStack", "Pre-norm decoder layers in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_weight_scales", &DecoderStack::set_weight_scales)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

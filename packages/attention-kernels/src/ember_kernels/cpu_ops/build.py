@@ -30,7 +30,13 @@ logger = logging.getLogger("ember_kernels")
 _HERE = pathlib.Path(__file__).parent
 SOURCES = [
     _HERE / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "int8_linear.cpp",
+        "decoder_stack.cpp",
+        "bindings.cpp",
+    )
 ]
 HEADERS = [
     _HERE / name

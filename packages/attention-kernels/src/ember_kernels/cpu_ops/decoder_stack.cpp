@@ -19,8 +19,14 @@ at::Tensor held(const std::optional<at::Tensor>& t) { return t.has_value() ? *t 
 
 // y = x W^T (+ b), with the bias inside the matmul (column-parallel projections). A weight
 // packed for oneDNN (ember_kernels.packed_linear) goes through the operation its ``linear``
-// calls, a plain one through at::linear, as in the per-operation path.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+// calls, an int8 one with its scales through int8_linear, a plain one through at::linear, as in
+// the per-operation path.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                  const at::Tensor& scales) {
+  if (weight.scalar_type() == at::kChar) {
+    return int8_linear(x, weight, scales,
+                       bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  }
   if (weight.is_mkldnn()) {
     static const auto packed =
         c10::Dispatcher::singleton()
@@ -37,8 +43,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
 // y = x W^T, then + b (row-parallel projections add their bias after the partial sums).
 at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias) {
-  at::Tensor y = linear(x, weight, at::Tensor());
+                            const at::Tensor& bias, const at::Tensor& scales) {
+  at::Tensor y = linear(x, weight, at::Tensor(), scales);
   return bias.defined() ? y + bias : y;
 }
 
@@ -92,6 +98,24 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
                           held(down_bias), key_cache, value_cache, sliding_window});
 }
 
+void DecoderStack::set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up,
+                                     at::Tensor down) {
+  TORCH_CHECK_VALUE(!layers_.empty(), "set_weight_scales: add a layer first");
+  Layer& layer = layers_.back();
+  const std::pair<const at::Tensor*, const at::Tensor*> pairs[] = {
+      {&layer.qkv, &qkv}, {&layer.o_proj, &o_proj}, {&layer.gate_up, &gate_up}, {&layer.down, &down}};
+  for (const auto& [weight, scales] : pairs) {
+    TORCH_CHECK_VALUE(weight->scalar_type() == at::kChar && scales->scalar_type() == at::kFloat &&
+                          scales->dim() == 1 && scales->size(0) == weight->size(0),
+                      "set_weight_scales: expected int8 weights and float32 scales, one per "
+                      "output channel");
+  }
+  layer.qkv_scale = qkv.contiguous();
+  layer.o_scale = o_proj.contiguous();
+  layer.gate_up_scale = gate_up.contiguous();
+  layer.down_scale = down.contiguous();
+}
+
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor hidden, std::optional<at::Tensor> residual_in, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
@@ -113,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     } else {
       std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
     }
-    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias);
+    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
     const at::Tensor v =
@@ -130,11 +154,12 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor attended = at::empty_like(q);
     paged_attention(q, key_cache, value_cache, table32, starts32, lens32, scale_,
                     layer.sliding_window, 0.0, attended);
-    hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias);
+    hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias,
+                              layer.o_scale);
     std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.post_norm, eps_);
     hidden = linear_then_bias(
-        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias)), layer.down,
-        layer.down_bias);
+        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale)),
+        layer.down, layer.down_bias, layer.down_scale);
   }
   return {hidden, residual};
 }

@@ -26,6 +26,11 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
     const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
     const at::Tensor& cos_sin_cache, bool is_neox_style);
 
+// y = (x q^T) * scales + bias for an int8 weight q [N, K] with float32 scales [N] (one per output
+// channel); x [M, K] float32/bfloat16/float16, y [M, N] in x's dtype, summed in float32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
+
 void reshape_and_cache(
     const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -48,6 +53,9 @@ class DecoderStack {
                  std::optional<at::Tensor> down_bias, at::Tensor key_cache,
                  at::Tensor value_cache, int64_t sliding_window);
 
+  // The per-channel scales of the last added layer's int8 weights (int8_linear), all four.
+  void set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up, at::Tensor down);
+
   // (hidden_states, residual) after every layer; ``residual`` None before the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor hidden_states, std::optional<at::Tensor> residual, const at::Tensor& positions,
@@ -59,6 +67,7 @@ class DecoderStack {
     at::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, o_bias, post_norm, gate_up,
         gate_up_bias, down, down_bias, key_cache, value_cache;
     int64_t sliding_window;
+    at::Tensor qkv_scale, o_scale, gate_up_scale, down_scale;  // undefined: float weights
   };
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;

@@ -17,6 +17,7 @@ from ember_scheduler.config import (
 )
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
+from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")
@@ -65,6 +66,8 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    # Applied to the weights after loading; "int8_weight_only" (ember_worker.quantization).
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
@@ -100,6 +103,7 @@ class EngineArgs:
         self.model = str(self.model)  # accept os.PathLike
         if self.tokenizer is not None:
             self.tokenizer = str(self.tokenizer)
+        check_quantization(self.quantization, "EngineArgs.quantization")
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
             check_int(f"EngineArgs.{name}", getattr(self, name), optional=True)
         for name in (
@@ -162,6 +166,13 @@ class EngineArgs:
             "--tokenizer", default=None, help="Tokenizer folder (default: the model's)."
         )
         group.add_argument("--dtype", default="auto", choices=_DTYPES, help="Weight dtype.")
+        group.add_argument(
+            "--quantization",
+            default=None,
+            choices=QUANTIZATION_METHODS,
+            help="Quantize the weights after loading (int8_weight_only: int8 per output channel, "
+            "activations in --dtype).",
+        )
         group.add_argument(
             "--max-model-len",
             type=int,

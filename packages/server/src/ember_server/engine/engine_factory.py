@@ -105,6 +105,7 @@ def make_worker_config(
         args.model,
         tokenizer=model_config.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=model_config.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=model_config.max_num_batched_tokens,

@@ -38,6 +38,7 @@ from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
+from ember_worker.quantization import check_quantization
 from ember_worker.step_threads import LARGE_STEP_MIN_TOKENS, StepThreads
 from ember_worker.structured_outputs import XGrammarCompiler
 
@@ -58,6 +59,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     model: str
     tokenizer: str | None = None  # for structured outputs' grammars; None: the model's folder
     dtype: str = "auto"
+    quantization: str | None = None  # ember_worker.quantization.QUANTIZATION_METHODS
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -74,6 +76,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization, "WorkerConfig.quantization")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             check_int(name, getattr(self, name))
         check_int("kv_cache_memory", self.kv_cache_memory, optional=True)
@@ -136,6 +139,7 @@ class Worker:
             tp=groups.tp,
             pp=groups.pp,
             pack_weights=True,
+            quantization=config.quantization,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember_kernels.int8_linear import quantize_int8
 from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
 
@@ -35,6 +36,8 @@ def empty_weight(output_size: int, input_size: int, dtype: torch.dtype | None) -
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the output features split across the group (no gather)."""
 
+    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+
     def __init__(
         self,
         input_size: int,
@@ -52,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty_parameter(self.output_size_per_partition, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
@@ -131,6 +134,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features split across the group and the output summed."""
 
+    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+
     def __init__(
         self,
         input_size: int,
@@ -148,7 +153,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight, scales=self.weight_scale))
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -174,6 +179,16 @@ def pack_weight(module: nn.Module) -> None:
     weight = module.weight
     if can_pack_linear_weight(weight) and weight.numel() >= MIN_PACKED_ELEMENTS[weight.dtype]:
         module.weight = nn.Parameter(pack_linear_weight(weight), requires_grad=False)
+
+
+def quantize_weight(module: nn.Module) -> None:
+    """Replace the plain floating-point ``module.weight [out, in]`` (this rank's shard, after
+    loading) by its int8 quantization with one scale per output channel, held as
+    ``module.weight_scale`` (``ember_kernels.int8_linear``); ``linear`` takes the pair. The
+    float weight is let go."""
+    q, scales = quantize_int8(module.weight.data)
+    module.weight = nn.Parameter(q, requires_grad=False)
+    module.weight_scale = scales  # shadows the class default None
 
 
 def _copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -67,6 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _empty_table(self, rows: int, dim: int, dtype: torch.dtype | None) -> nn.Parameter:
         return empty_weight(rows, dim, dtype)
 
+    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(linear(hidden_states, self.weight))
+        logits = self.tp.all_gather(linear(hidden_states, self.weight, scales=self.weight_scale))
         return logits[..., : self.num_embeddings]

@@ -26,7 +26,7 @@ def build_cpu_stack(layers: list[DecoderLayer]):
     weight = first.qkv_proj.weight
     if (
         weight.device.type != "cpu"
-        or weight.dtype not in cpu_ops.DTYPES
+        or layers[0].input_layernorm.weight.dtype not in cpu_ops.DTYPES
         or first.o_proj.tp.size > 1
         or any(layer.self_attn.attn.kv_cache is None for layer in layers)
         or not cpu_ops.available()
@@ -62,4 +62,11 @@ def build_cpu_stack(layers: list[DecoderLayer]):
             value_cache,
             attn.attn.sliding_window or 0,
         )
+        if attn.qkv_proj.weight_scale is not None:  # int8 weights (int8_weight_only)
+            stack.set_weight_scales(
+                attn.qkv_proj.weight_scale,
+                attn.o_proj.weight_scale,
+                mlp.gate_up_proj.weight_scale,
+                mlp.down_proj.weight_scale,
+            )
     return stack

@@ -22,6 +22,7 @@ from ember_worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     pack_weight,
+    quantize_weight,
 )
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -297,6 +298,17 @@ class DecoderForCausalLM(nn.Module):
             not self.shares_embedding or self.lm_head.weight.dtype in TIED_HEAD_COPY_DTYPES
         ):
             pack_weight(self.lm_head)
+
+    def quantize_linear_weights(self) -> None:
+        """Quantize the projections' weights and the LM head's to int8 per output channel
+        (``layers.linear.quantize_weight``), after loading; a head tied to the embedding is
+        quantized as a copy (the lookup keeps the float table). The compiled CPU stack calls the
+        same int8 matmul (``cpu_stack.build_cpu_stack``)."""
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                quantize_weight(module)
+        if self.lm_head is not None:
+            quantize_weight(self.lm_head)
 
     @property
     def local_layers(self) -> range:

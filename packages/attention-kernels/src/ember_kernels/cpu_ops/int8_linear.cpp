@@ -1,0 +1,153 @@
+// Weight-only int8 matmul: y = (x q^T) * scale + bias for int8 weights q [N, K] quantized per
+// output channel, activations float32/bfloat16/float16, summed in float32 and rounded once to the
+// activation dtype. Steps of up to MAX_WIDENED_ROWS rows (decoding) read each weight row once,
+// widen it to float in registers and multiply it into up to ROWS activation rows at a time: half
+// the bytes of a bfloat16 weight. Larger steps are bound by arithmetic, not bytes: they run the
+// float32 matmul on the weight dequantized DEQUANTIZE_BLOCK output channels at a time.
+
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace ember_vec;
+
+typedef int8_t vi8 __attribute__((vector_size(VW)));
+
+constexpr int ROWS = 4;                    // activation rows sharing one pass over a weight row
+constexpr int64_t MAX_WIDENED_ROWS = 16;   // above: the dequantized float32 matmul is faster
+constexpr int64_t DEQUANTIZE_BLOCK = 2048;  // output channels dequantized at a time (bounded memory)
+constexpr int64_t GRAIN_BYTES = 1 << 16;   // weight bytes per thread below which one thread runs
+
+// Sign-extend and convert in two instructions (GCC lowers __builtin_convertvector from int8 to a
+// lane-by-lane scalar sequence, which ran at about 1 GB/s).
+inline vf load_int8_as_float(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  vi8 v;
+  std::memcpy(&v, p, sizeof(vi8));
+  return __builtin_convertvector(v, vf);
+#endif
+}
+
+// sums[j] = x[j] . w over K, for the first ``rows`` of ROWS activation rows (float32 copies).
+template <int R>
+void dot_rows(const float* x, int64_t K, const int8_t* w, float* sums) {
+  vf acc0[R], acc1[R];
+  for (int j = 0; j < R; ++j) acc0[j] = acc1[j] = splat(0.f);
+  int64_t k = 0;
+  // Two accumulators per row hide the latency of the fused multiply-adds at one row.
+  for (; k + 2 * VW <= K; k += 2 * VW) {
+    const vf w0 = load_int8_as_float(w + k), w1 = load_int8_as_float(w + k + VW);
+    for (int j = 0; j < R; ++j) {
+      acc0[j] += w0 * load(x + j * K + k);
+      acc1[j] += w1 * load(x + j * K + k + VW);
+    }
+  }
+  for (; k + VW <= K; k += VW) {
+    const vf w0 = load_int8_as_float(w + k);
+    for (int j = 0; j < R; ++j) acc0[j] += w0 * load(x + j * K + k);
+  }
+  for (int j = 0; j < R; ++j) {
+    float sum = hsum(acc0[j] + acc1[j]);
+    for (int64_t t = k; t < K; ++t) sum += x[j * K + t] * static_cast<float>(w[t]);
+    sums[j] = sum;
+  }
+}
+
+void dot_block(const float* x, int rows, int64_t K, const int8_t* w, float* sums) {
+  switch (rows) {
+    case 1: return dot_rows<1>(x, K, w, sums);
+    case 2: return dot_rows<2>(x, K, w, sums);
+    case 3: return dot_rows<3>(x, K, w, sums);
+    default: return dot_rows<4>(x, K, w, sums);
+  }
+}
+
+template <typename T>
+void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                      const at::Tensor& bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  // The activations as float32 once (a few rows: small), so the inner loop only widens weights.
+  std::vector<float> xf(M * K);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(src[m * x.stride(0) + k]);
+  }
+  const int8_t* w = static_cast<const int8_t*>(weight.data_ptr());
+  const float* s = static_cast<const float*>(scales.data_ptr());
+  const T* b = bias.defined() ? static_cast<const T*>(bias.data_ptr()) : nullptr;
+  T* dst = static_cast<T*>(out.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES / std::max<int64_t>(1, K));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float sums[ROWS];
+    for (int64_t n = n0; n < n1; ++n) {
+      const float add = b ? static_cast<float>(b[n]) : 0.f;
+      for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(ROWS, M - m0));
+        dot_block(xf.data() + m0 * K, rows, K, w + n * K, sums);
+        for (int j = 0; j < rows; ++j) dst[(m0 + j) * N + n] = static_cast<T>(sums[j] * s[n] + add);
+      }
+    }
+  });
+}
+
+void dequantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const at::Tensor& bias, at::Tensor& out) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const int64_t N = weight.size(0);
+  for (int64_t start = 0; start < N; start += DEQUANTIZE_BLOCK) {
+    const int64_t size = std::min(DEQUANTIZE_BLOCK, N - start);
+    const at::Tensor w = weight.narrow(0, start, size).to(at::kFloat) *
+                         scales.narrow(0, start, size).unsqueeze(1);
+    at::Tensor block = at::linear(x32, w);
+    if (bias.defined()) block.add_(bias.narrow(0, start, size));
+    out.narrow(1, start, size).copy_(block);
+  }
+}
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x must be [rows, K], rows dense");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_linear: weight must be contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "int8_linear: scales must be contiguous float32");
+  TORCH_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
+  at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (x.size(0) > MAX_WIDENED_ROWS) {
+    dequantized_linear(x, weight, scales, b, out);
+    return out;
+  }
+  switch (x.scalar_type()) {
+    case at::kFloat: int8_linear_impl<float>(x, weight, scales, b, out); break;
+    case at::kBFloat16: int8_linear_impl<c10::BFloat16>(x, weight, scales, b, out); break;
+    case at::kHalf: int8_linear_impl<c10::Half>(x, weight, scales, b, out); break;
+    default: TORCH_CHECK(false, "int8_linear: activations must be float32, bfloat16 or float16");
+  }
+  return out;
+}
