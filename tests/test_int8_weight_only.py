@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from ember import LLM, SamplingParams
 from ember_kernels.int8_linear import dequantize_int8, quantize_int8
-from ember_server.engine_args import EngineArgs
+from ember_server import EngineArgs
 
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語", "the quick brown fox"]
 # Projections split along their input features under tensor parallelism: each rank quantizes its
