@@ -62,7 +62,9 @@ class BlockView:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2)
+    # Logical CPUs for two 2-rank executors: the last ``parallel`` and the first ``speculative``
+    # fixture instance (both module-scoped) are alive together when pytest moves between them.
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 * 1024**2)
     yield
     ray.shutdown()
 
