@@ -26,17 +26,16 @@ from bench_serve import _free_port, _start_server, _stop  # same folder
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.cli.bench import serve as bench_serve
 from ember_server.cli.bench.common import random_prompts, write_json
-from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, LLAMA_CONFIG, random_model_path
+from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, random_model_path
 from ember_server.engine.llm import LLM
 
+# The demo model made wider and deeper, with 8 query heads (its 2 KV heads and context kept).
 WIDE_CONFIG = dict(
-    LLAMA_CONFIG,
+    DEMO_MODEL_CONFIG,
     hidden_size=512,
     intermediate_size=1376,
     num_hidden_layers=8,
     num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
 )
 ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}
 
