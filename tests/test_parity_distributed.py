@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import (  # noqa: F401 - one_thread is an autouse fixture
+from test_parity import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     NUM_PROMPTS,
@@ -18,7 +18,6 @@ from test_parity import (  # noqa: F401 - one_thread is an autouse fixture
     greedy,
     make_engine,
     model_path,
-    one_thread,
     parity_prompts,
     run,
 )
@@ -32,6 +31,8 @@ from ember_testing.tiny_models import ARCHITECTURES
 from ember_worker.distributed.groups import ParallelConfig
 from ember_worker.distributed.worker import WorkerConfig
 from ember_worker.executor_factory import make_executor
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYOUTS = {
     "tp2": (ParallelConfig(tensor_parallel_size=2), "mp"),
