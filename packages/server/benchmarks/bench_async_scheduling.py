@@ -21,13 +21,14 @@ import os
 import sys
 import time
 
-from bench_serve import _free_port, _start_server, _stop  # same folder
+from bench_serve import _start_server  # same folder
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.cli.bench import serve as bench_serve
 from ember_server.cli.bench.common import random_prompts, write_json
 from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, random_model_path
 from ember_server.engine.llm import LLM
+from ember_testing.serve_process import free_port, stop
 
 # The demo model made wider and deeper, with 8 query heads (its 2 KV heads and context kept).
 WIDE_CONFIG = dict(
@@ -103,7 +104,7 @@ async def _served_level(base_url: str, prompts, output_len: int, concurrency: in
 
 def served(model: str, async_scheduling: bool, input_len: int, output_len: int) -> dict:
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
-    port = _free_port()
+    port = free_port()
     process, _ = _start_server(port, [f"--model={model}", flag])
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -115,7 +116,7 @@ def served(model: str, async_scheduling: bool, input_len: int, output_len: int) 
             )
         return result
     finally:
-        _stop(process)
+        stop(process)
 
 
 def main() -> int:
