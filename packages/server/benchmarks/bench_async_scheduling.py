@@ -25,7 +25,7 @@ from bench_serve import _start_server  # same folder
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.cli.bench import serve as bench_serve
-from ember_server.cli.bench.common import random_prompts, write_json
+from ember_server.cli.bench.common import add_workload_args, random_prompts, write_json
 from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, random_model_path
 from ember_server.engine.llm import LLM
 from ember_testing.serve_process import free_port, stop
@@ -121,12 +121,9 @@ def served(model: str, async_scheduling: bool, input_len: int, output_len: int) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_workload_args(parser, num_prompts=64, output_len=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-served", action="store_true", help="offline figures only")
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     models = {

@@ -21,7 +21,7 @@ import sys
 import httpx
 
 from ember_server.cli.bench import serve as bench_serve
-from ember_server.cli.bench.common import random_prompts, write_json
+from ember_server.cli.bench.common import add_workload_args, random_prompts, write_json
 from ember_testing.serve_process import free_port, is_healthy, stop, wait_serving
 
 ENGINE_FLAGS = {"max_model_len": 512, "max_num_seqs": 64, "num_threads": 1}
@@ -80,14 +80,11 @@ async def _measure(base_url: str, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=96)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
+    add_workload_args(parser, num_prompts=96, input_len=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=256)
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -36,10 +36,18 @@ def percentiles_ms(values_s: list[float], points=(50, 99)) -> dict[str, float]:
     return result
 
 
-def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+def add_workload_args(
+    parser: argparse.ArgumentParser, num_prompts: int, input_len: int = 32, output_len: int = 32
+) -> None:
+    """The random-prompt workload's flags (``--num-prompts``, ``--input-len``, ``--output-len``)
+    and ``--output-json``, with these defaults."""
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
-    parser.add_argument("--output-len", type=int, default=32, help="Output tokens per request.")
+    parser.add_argument(
+        "--input-len", type=int, default=input_len, help="Prompt tokens per request."
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=output_len, help="Output tokens per request."
+    )
     parser.add_argument("--output-json", default=None, help="Also write the results here.")
 
 
