@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
-from test_parity import hf_model, make_engine, one_thread, parity_prompts  # noqa: F401
+from test_parity import hf_model, make_engine, parity_prompts
 
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCH = "llama"
 MAX_TOKENS = 40

@@ -33,13 +33,7 @@ OUTPUT_LEN = 64
 MIN_DISTINCT_TOKENS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model runs fastest on one intra-op thread; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def parity_prompts(seed: int = 0) -> list[list[int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import (  # noqa: F401 - one_thread is an autouse fixture
+from test_parity import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     NUM_PROMPTS,
@@ -18,7 +18,6 @@ from test_parity import (  # noqa: F401 - one_thread is an autouse fixture
     greedy,
     make_engine,
     model_path,
-    one_thread,
     parity_prompts,
     run,
 )
@@ -32,6 +31,8 @@ from ember_testing.tiny_models import ARCHITECTURES
 from ember_worker.distributed.groups import ParallelConfig
 from ember_worker.distributed.worker import WorkerConfig
 from ember_worker.executor_factory import make_executor
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYOUTS = {
     "tp2": (ParallelConfig(tensor_parallel_size=2), "mp"),
@@ -69,20 +70,18 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
+def suite_params(cases, in_default_suite) -> list:
+    """pytest params of ``cases`` (tuples of names), slow-marked unless in ``in_default_suite``."""
+    return [
         pytest.param(
-            (arch, layout),
-            id=f"{arch}-{layout}",
-            marks=() if (arch, layout) in IN_DEFAULT_SUITE else pytest.mark.slow,
+            case, id="-".join(case), marks=() if case in in_default_suite else pytest.mark.slow
         )
-        for layout in LAYOUTS
-        for arch in ARCHITECTURES
-    ],
-)
-def parallel(request):
-    arch, layout = request.param
+        for case in cases
+    ]
+
+
+def start_executor(request, arch: str, layout: str, speculative_config=None):
+    """An executor of ``layout`` over ``arch``'s tiny model (Ray started first where needed)."""
     parallel_config, backend = LAYOUTS[layout]
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
@@ -96,8 +95,20 @@ def parallel(request):
         kv_cache_memory=8 * 1024**2,
         num_threads=1,
         parallel=parallel_config,
+        speculative_config=speculative_config,
     )
-    executor = make_executor(config, backend)
+    return make_executor(config, backend)
+
+
+@pytest.fixture(
+    scope="module",
+    params=suite_params(
+        [(arch, layout) for layout in LAYOUTS for arch in ARCHITECTURES], IN_DEFAULT_SUITE
+    ),
+)
+def parallel(request):
+    arch, layout = request.param
+    executor = start_executor(request, arch, layout)
     yield arch, executor
     executor.shutdown()
 
@@ -207,35 +218,15 @@ SPEC_IN_DEFAULT_SUITE = {("tp2", "ngram"), ("pp2", "draft-model"), ("ray-tp2", "
 
 @pytest.fixture(
     scope="module",
-    params=[
-        pytest.param(
-            (layout, proposer),
-            id=f"{layout}-{proposer}",
-            marks=() if (layout, proposer) in SPEC_IN_DEFAULT_SUITE else pytest.mark.slow,
-        )
-        for layout in LAYOUTS
-        for proposer in SPECULATIVE
-    ],
+    params=suite_params(
+        [(layout, proposer) for layout in LAYOUTS for proposer in SPECULATIVE],
+        SPEC_IN_DEFAULT_SUITE,
+    ),
 )
 def speculative(request):
     layout, proposer = request.param
-    parallel_config, backend = LAYOUTS[layout]
-    if backend == "ray":
-        request.getfixturevalue("ray_cluster")
-    config = WorkerConfig(
-        str(model_path("llama")),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=NUM_PROMPTS,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=8 * 1024**2,
-        num_threads=1,
-        parallel=parallel_config,
-        speculative_config=SPECULATIVE[proposer],
-    )
-    executor = make_executor(config, backend)
-    yield config.speculative_config, executor
+    executor = start_executor(request, "llama", layout, SPECULATIVE[proposer])
+    yield SPECULATIVE[proposer], executor
     executor.shutdown()
 
 

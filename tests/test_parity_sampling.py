@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import hf_model, make_engine, one_thread, parity_prompts, run  # noqa: F401
+from test_parity import hf_model, make_engine, parity_prompts, run
 
 from ember_scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NUM_LOGPROBS = 5
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from ember import LLM, SamplingParams
 from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
-from ember_testing.serve_process import child_pids, free_port, is_running
+from ember_testing.serve_process import ServeProcess, child_pids, wait_gone
 
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
@@ -26,32 +23,8 @@ PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "ember_server", "serve", "--port", str(port), *FLAGS]
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ember serve did not come up"
-            time.sleep(0.2)
-        yield process, base_url, log
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with ServeProcess(FLAGS, tmp_path_factory.mktemp("serve")) as server:
+        yield server.process, server.base_url, server.log
 
 
 def test_console_script_is_declared():
@@ -96,9 +69,6 @@ def test_ctrl_c_stops_server_and_engine(served):
     assert engines, "the engine core runs in a child process"
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0, log.read_text()
-    deadline = time.monotonic() + 30
-    while any(is_running(pid) for pid in engines):
-        assert time.monotonic() < deadline, "the engine core outlived the server"
-        time.sleep(0.1)
+    assert wait_gone(engines, 30), "the engine core outlived the server"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base_url}/health", timeout=2)

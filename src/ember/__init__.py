@@ -1,30 +1,12 @@
-"""Ember: an LLM inference and serving engine. This meta-package re-exports the public API."""
+"""Ember: an LLM inference and serving engine. This meta-package re-exports the public API.
 
-from ember_scheduler.pooling_params import PoolingParams
-from ember_scheduler.sampling_params import SamplingParams
-from ember_scheduler.structured_outputs import StructuredOutputsParams
-from ember_server.engine.engine_args import EngineArgs
-from ember_server.engine.llm import LLM
-from ember_server.engine.outputs import CompletionOutput, RequestOutput
-from ember_server.engine.pooling_outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingRequestOutput,
-    ScoringRequestOutput,
-)
+The names and the modules behind them are ``ember_server``'s (its ``__all__``): one list, kept
+there.
+"""
+
+import ember_server
+from ember_server import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "ClassificationRequestOutput",
-    "CompletionOutput",
-    "EmbeddingRequestOutput",
-    "EngineArgs",
-    "PoolingParams",
-    "PoolingRequestOutput",
-    "RequestOutput",
-    "SamplingParams",
-    "ScoringRequestOutput",
-    "StructuredOutputsParams",
-]
+__all__ = list(ember_server.__all__)

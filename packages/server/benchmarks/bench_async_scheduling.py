@@ -21,22 +21,22 @@ import os
 import sys
 import time
 
-from bench_serve import _free_port, _start_server, _stop  # same folder
+from bench_serve import _start_server  # same folder
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.cli.bench import serve as bench_serve
-from ember_server.cli.bench.common import random_prompts, write_json
-from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, LLAMA_CONFIG, random_model_path
+from ember_server.cli.bench.common import add_workload_args, random_prompts, write_json
+from ember_server.cli.demo_model import DEMO_MODEL_CONFIG, random_model_path
 from ember_server.engine.llm import LLM
+from ember_testing.serve_process import free_port, stop
 
+# The demo model made wider and deeper, with 8 query heads (its 2 KV heads and context kept).
 WIDE_CONFIG = dict(
-    LLAMA_CONFIG,
+    DEMO_MODEL_CONFIG,
     hidden_size=512,
     intermediate_size=1376,
     num_hidden_layers=8,
     num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
 )
 ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}
 
@@ -104,7 +104,7 @@ async def _served_level(base_url: str, prompts, output_len: int, concurrency: in
 
 def served(model: str, async_scheduling: bool, input_len: int, output_len: int) -> dict:
     flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
-    port = _free_port()
+    port = free_port()
     process, _ = _start_server(port, [f"--model={model}", flag])
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -116,17 +116,14 @@ def served(model: str, async_scheduling: bool, input_len: int, output_len: int) 
             )
         return result
     finally:
-        _stop(process)
+        stop(process)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_workload_args(parser, num_prompts=64, output_len=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-served", action="store_true", help="offline figures only")
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     models = {

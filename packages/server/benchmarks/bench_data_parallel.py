@@ -15,24 +15,16 @@ import argparse
 import asyncio
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from ember_server.cli.bench import serve as bench_serve
-from ember_server.cli.bench.common import random_prompts, write_json
+from ember_server.cli.bench.common import add_workload_args, random_prompts, write_json
+from ember_testing.serve_process import free_port, is_healthy, stop, wait_serving
 
 ENGINE_FLAGS = {"max_model_len": 512, "max_num_seqs": 64, "num_threads": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_server(port: int, dp: int) -> subprocess.Popen:
@@ -40,27 +32,8 @@ def _start_server(port: int, dp: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "ember_server", "serve", f"--port={port}", "-dp", str(dp)]
     command += [*flags, "--uvicorn-log-level=warning"]
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ember serve exited with code {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError("ember serve did not answer within 600 s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    wait_serving(process, is_healthy(f"http://127.0.0.1:{port}"), timeout=600)
+    return process
 
 
 def _counters(base_url: str) -> dict[str, float]:
@@ -107,25 +80,22 @@ async def _measure(base_url: str, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=96)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
+    add_workload_args(parser, num_prompts=96, input_len=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=256)
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     results = {}
     for dp in (1, 2):
-        port = _free_port()
+        port = free_port()
         process = _start_server(port, dp)
         try:
             results[f"dp{dp}"] = asyncio.run(_measure(f"http://127.0.0.1:{port}", args))
         finally:
-            _stop(process)
+            stop(process)
 
     print(
         f"{'':>4} {'workload':>14} {'reqs':>5} {'out tok/s':>10} {'vs DP=1':>8} "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import numpy as np
 from ember_server.cli.bench.common import FIRST_PLAIN_TOKEN_ID, PROMPT_VOCAB_BOUND, write_json
 from ember_server.cli.demo_model import demo_model_path
 from ember_server.engine.engine_factory import default_step_threads
+from ember_testing.serve_process import free_port, stop, wait_serving
 
 REPEATS = 2
 CONCURRENCY = (1, 16, 64)
@@ -72,12 +72,6 @@ def best_rate(run, count: int) -> tuple[float, object]:
     return best, value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_server(model: str, port: int, max_len: int) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "ember_server", "serve", model, f"--port={port}",
@@ -85,20 +79,13 @@ def _start_server(model: str, port: int, max_len: int) -> subprocess.Popen:
         "--uvicorn-log-level=warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ember serve exited with code {process.returncode}")
-        try:
-            response = httpx.post(
-                f"http://127.0.0.1:{port}/v1/embeddings", json={"input": [20, 21]}, timeout=30
-            )
-            if response.status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise TimeoutError("ember serve did not answer within 300 s")
+
+    def embeds() -> bool:
+        url = f"http://127.0.0.1:{port}/v1/embeddings"
+        return httpx.post(url, json={"input": [20, 21]}, timeout=30).status_code == 200
+
+    wait_serving(process, embeds, timeout=300)
+    return process
 
 
 async def _level(url: str, prompts: list[list[int]], concurrency: int) -> tuple[float, int]:
@@ -163,7 +150,7 @@ def main() -> int:
         f"{ember_rate / hf_rate:.2f}x transformers  (max |diff| {max_diff:.1e})"
     )
 
-    port = _free_port()
+    port = free_port()
     process = _start_server(model_path, port, args.max_len)
     levels = []
     try:
@@ -179,8 +166,7 @@ def main() -> int:
                 f"failed {failed}"
             )
     finally:
-        process.terminate()
-        process.wait(60)
+        stop(process, timeout=60)
     write_json(
         args.output_json,
         dict(transformers=hf_rate, offline=ember_rate, max_diff=max_diff, levels=levels),

@@ -21,8 +21,6 @@ import asyncio
 import contextlib
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,18 +32,13 @@ from ember_server.cli.bench import throughput
 from ember_server.cli.bench.common import random_prompts, write_json
 from ember_server.cli.demo_model import demo_model_path
 from ember_server.engine.engine_args import EngineArgs
+from ember_testing.serve_process import child_pids, free_port, stop, wait_serving
 
 ENGINE_FLAGS = {"max_model_len": 256, "max_num_seqs": 64}
 # Requests per concurrency level: enough to keep every slot busy a few times over.
 REQUESTS_PER_LEVEL = {1: 3, 16: 32, 64: 64}
 # Every measurement is the best of this many runs: on a shared machine, the least disturbed one.
 REPEATS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_server(port: int, extra_flags: list[str] = ()) -> tuple[subprocess.Popen, float]:
@@ -58,20 +51,16 @@ def _start_server(port: int, extra_flags: list[str] = ()) -> tuple[subprocess.Po
     start = time.perf_counter()
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     body = dict(prompt=[20, 21, 22, 23], max_tokens=1, stream=True)
-    deadline = start + 300
-    while time.perf_counter() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ember serve exited with code {process.returncode}")
-        try:
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            with httpx.stream("POST", url, json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data:") and '"text"' in line:
-                        return process, time.perf_counter() - start
-        except httpx.TransportError:
-            time.sleep(0.05)
-    process.kill()
-    raise TimeoutError("ember serve did not answer within 300 s")
+
+    def streams_a_token() -> bool:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            return any(
+                line.startswith("data:") and '"text"' in line for line in response.iter_lines()
+            )
+
+    wait_serving(process, streams_a_token, timeout=300)
+    return process, time.perf_counter() - start
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -80,21 +69,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"\nPPid:\t{pid}\n" in status.read_text():
-                children.append(int(status.parent.name))
-        except OSError:
-            continue
-    return children
-
-
 def _engine_core_pid(server_pid: int) -> int:
     """The engine core process among the server's children, found by its command line (the
     server may have other children, e.g. a compiler building the attention kernel)."""
-    for pid in _children(server_pid):
+    for pid in child_pids(server_pid):
         with contextlib.suppress(OSError):
             if (
                 b"ember_server.engine.core_process"
@@ -102,15 +80,6 @@ def _engine_core_pid(server_pid: int) -> int:
             ):
                 return pid
     raise RuntimeError(f"ember serve (pid {server_pid}) has no engine core process")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 async def _sweep(base_url: str, input_len: int, output_len: int, pids: dict) -> list[dict]:
@@ -159,7 +128,7 @@ def main() -> int:
         f"({args.offline_prompts} requests, {args.input_len} in / {args.output_len} out)"
     )
 
-    port = _free_port()
+    port = free_port()
     process, startup_s = _start_server(port)
     try:
         print(f"start-up (command to first streamed token): {startup_s:.1f} s")
@@ -174,7 +143,7 @@ def main() -> int:
             _sweep(f"http://127.0.0.1:{port}", args.input_len, args.output_len, pids)
         )
     finally:
-        _stop(process)
+        stop(process)
 
     print(
         f"{'conc':>5} {'reqs':>5} {'req/s':>7} {'out tok/s':>10} {'served/offline':>14} "

@@ -1,15 +1,9 @@
 import pytest
-from transformers import AutoTokenizer
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "Grüße aus Köln 🙂🔥 日本語のテキスト def foo(): return 1 ∑ π"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(test_tokenizer_path):
-    return AutoTokenizer.from_pretrained(test_tokenizer_path)
 
 
 def _ids(tokenizer, text):

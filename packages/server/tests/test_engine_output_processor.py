@@ -1,31 +1,13 @@
 """OutputProcessor on hand-made engine core outputs (no model needed)."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from ember_scheduler.engine_types import EngineCoreOutput, FinishReason
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine.input_processor import InputProcessor
 from ember_server.engine.metrics import IterationStats
-from ember_server.engine.model_config import ModelConfig
 from ember_server.engine.output_processor import OutputProcessor
 from ember_server.engine.outputs import RequestOutputKind
-
-
-@pytest.fixture(scope="module")
-def tokenizer(test_tokenizer_path):
-    return AutoTokenizer.from_pretrained(test_tokenizer_path)
-
-
-@pytest.fixture
-def inputs(tokenizer):
-    config = ModelConfig(
-        model="m", tokenizer="m", served_model_name="m", max_model_len=64,
-        max_num_batched_tokens=64, vocab_size=len(tokenizer), eos_token_id=2,
-        extra_eos_token_ids=(7,), bos_token_id=1,
-    )  # fmt: skip
-    return InputProcessor(tokenizer, config, max_num_kv_tokens=40)
 
 
 def _ids(tokenizer, text):

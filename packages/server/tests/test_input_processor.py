@@ -2,33 +2,16 @@
 tokenization and chat rendering, token ids, the length limit, structured-output specs."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_scheduler.structured_outputs import StructuredOutputsParams
-from ember_server.engine.input_processor import InputProcessor, TokenizedPrompt
-from ember_server.engine.model_config import ModelConfig
+from ember_server.engine.input_processor import TokenizedPrompt
 from ember_server.openai.protocol_chat import ChatCompletionRequest
 from ember_server.openai.protocol_completion import CompletionRequest
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(test_tokenizer_path):
-    return AutoTokenizer.from_pretrained(test_tokenizer_path)
-
-
-@pytest.fixture
-def inputs(tokenizer):
-    config = ModelConfig(
-        model="m", tokenizer="m", served_model_name="m", max_model_len=64,
-        max_num_batched_tokens=64, vocab_size=len(tokenizer), eos_token_id=2,
-        extra_eos_token_ids=(), bos_token_id=1,
-    )  # fmt: skip
-    return InputProcessor(tokenizer, config, max_num_kv_tokens=40)
 
 
 def test_a_conversation_is_rendered_once(tokenizer, inputs, monkeypatch):

@@ -6,14 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from ember_server.engine.text_encoding import TextEncoder, max_chars_per_token
-
-
-@pytest.fixture(scope="module")
-def tokenizer(test_tokenizer_path):
-    return AutoTokenizer.from_pretrained(test_tokenizer_path)
 
 
 @pytest.fixture(scope="module")

@@ -39,17 +39,9 @@ from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_spec_decode import SpeculativeConfig
-from ember_testing.tiny_models import tiny_model_path
+from ember_testing.tiny_models import BENCH_LLAMA_CONFIG, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
-MODEL_OVERRIDES = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=9,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-)
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 
@@ -152,7 +144,7 @@ def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     seeds = [torch.randint(3, 2000, (32,), generator=gen).tolist() for _ in range(8)]
-    noisy = tiny_model_path("llama", **MODEL_OVERRIDES)
+    noisy = tiny_model_path("llama", **BENCH_LLAMA_CONFIG)
     with tempfile.TemporaryDirectory() as tmp:
         looping = derived_model(noisy, pathlib.Path(tmp) / "looping", looping=True, layers=None)
         early_exit = derived_model(noisy, pathlib.Path(tmp) / "early-exit", looping=True, layers=1)

@@ -29,13 +29,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_throughput import BLOCK_SIZE, MODEL_OVERRIDES, model_path, workload
+from bench_throughput import BLOCK_SIZE, model_path, workload
 
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.outputs import CachedRequestData, SchedulerOutput
 from ember_scheduler.sampling_params import SamplingParams
+from ember_testing.tiny_models import BENCH_LLAMA_CONFIG
 from ember_worker.distributed.groups import ParallelConfig, free_port
 from ember_worker.distributed.worker import WorkerConfig, model_vocab_size
 from ember_worker.executor_factory import make_executor
@@ -104,8 +105,8 @@ def decode_step_seconds(parallel: ParallelConfig, decode_steps: int) -> tuple[fl
 def _collectives(rank: int, port: int, repeats: int, vocab_size: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
-    hidden = MODEL_OVERRIDES["hidden_size"]
-    layers = MODEL_OVERRIDES["num_hidden_layers"]
+    hidden = BENCH_LLAMA_CONFIG["hidden_size"]
+    layers = BENCH_LLAMA_CONFIG["num_hidden_layers"]
     x = torch.randn(BATCH, hidden)
     logits = torch.randn(BATCH, vocab_size // 2)
     ids = torch.zeros(BATCH, dtype=torch.int64)

@@ -26,23 +26,14 @@ from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
-from ember_testing.tiny_models import tiny_model_path
+from ember_testing.tiny_models import BENCH_LLAMA_CONFIG, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
-# About 30M parameters: 9 layers of hidden 512, 8 query / 4 KV heads of 64, MLP 1536.
-MODEL_OVERRIDES = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=9,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-)
 BLOCK_SIZE = 16
 
 
 def model_path():
-    return tiny_model_path("llama", **MODEL_OVERRIDES)
+    return tiny_model_path("llama", **BENCH_LLAMA_CONFIG)
 
 
 def workload(kind: str, num_prompts: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -74,7 +65,7 @@ def make_engine(max_num_seqs: int, max_tokens_per_seq: int, num_threads: int = 1
 
 
 def bytes_per_block() -> int:
-    o = MODEL_OVERRIDES
+    o = BENCH_LLAMA_CONFIG
     return 2 * o["num_hidden_layers"] * BLOCK_SIZE * o["num_key_value_heads"] * o["head_dim"] * 4
 
 

@@ -12,6 +12,7 @@ import signal
 
 import pytest
 import torch
+from small_worker import SMALL_SETTINGS
 from transformers import AutoModelForCausalLM
 
 from ember_worker.distributed.groups import ParallelConfig, PipelineStage
@@ -21,16 +22,7 @@ from ember_worker.executor_factory import make_executor
 
 
 def _config(path, **kwargs) -> WorkerConfig:
-    settings = dict(
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        kv_cache_memory=1 << 20,
-        num_threads=1,
-        parallel=ParallelConfig(tensor_parallel_size=2),
-    )
+    settings = dict(SMALL_SETTINGS, parallel=ParallelConfig(tensor_parallel_size=2))
     return WorkerConfig(str(path), **{**settings, **kwargs})
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from small_worker import BLOCK_SIZE, SMALL_SETTINGS
 from transformers import AutoModelForCausalLM
 
 from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -15,7 +16,6 @@ from ember_worker.executor import InProcessExecutor
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.step_threads import StepThreads
 
-BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
@@ -25,16 +25,7 @@ def llama(tiny_model):
 
 
 def _executor(path, **kwargs):
-    settings = dict(
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=BLOCK,
-        kv_cache_memory=1 << 20,
-        num_threads=1,
-    )
-    return InProcessExecutor(path, **{**settings, **kwargs})
+    return InProcessExecutor(path, **{**SMALL_SETTINGS, **kwargs})
 
 
 def _step(new=(), cached=(), scheduled=None, finished=()):
@@ -64,11 +55,11 @@ def test_kv_blocks_come_from_the_memory_budget(llama):
     executor = _executor(llama, kv_cache_memory=1 << 20)
     spec = executor.model_runner.kv_cache_spec
     # 2 layers x (key + value) x 4 slots x 2 kv heads x 16 dims x 4 bytes
-    assert spec.bytes_per_block == 2 * 2 * BLOCK * 2 * 16 * 4
+    assert spec.bytes_per_block == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     assert executor.num_kv_blocks == (1 << 20) // spec.bytes_per_block
-    assert executor.block_size == BLOCK
+    assert executor.block_size == BLOCK_SIZE
     for cache in executor.model_runner.kv_caches[0]:
-        assert cache.shape == (executor.num_kv_blocks, BLOCK, 2, 16)
+        assert cache.shape == (executor.num_kv_blocks, BLOCK_SIZE, 2, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,7 +190,7 @@ def test_bfloat16_executor_runs_its_cache_in_bfloat16(llama):
     executor = _executor(llama, dtype="bfloat16")
     assert executor.model_runner.kv_caches[0][0].dtype == torch.bfloat16
     # Twice the blocks of float32 from the same budget.
-    assert executor.num_kv_blocks == (1 << 20) // (2 * 2 * BLOCK * 2 * 16 * 2)
+    assert executor.num_kv_blocks == (1 << 20) // (2 * 2 * BLOCK_SIZE * 2 * 16 * 2)
     prompt = [5, 6, 7, 8, 9]
     new = NewRequestData("a", prompt, [], GREEDY, block_ids=[0, 1], num_computed_tokens=0)
     out = executor.execute_model(_step(new=[new], scheduled={"a": 5}))

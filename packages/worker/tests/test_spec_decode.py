@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from small_worker import SMALL_SETTINGS
 from transformers import AutoModelForCausalLM
 
 from ember_scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -93,17 +94,7 @@ def llama(tiny_model):
 
 
 def executor(path, config=NGRAM):
-    return InProcessExecutor(
-        path,
-        dtype="float32",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        kv_cache_memory=1 << 20,
-        num_threads=1,
-        speculative_config=config,
-    )
+    return InProcessExecutor(path, **SMALL_SETTINGS, speculative_config=config)
 
 
 def hf_greedy_with_logprobs(path, prompt, n):

@@ -1,5 +1,6 @@
-"""``ember serve`` as a real child process, for tests of what a user or an orchestrator sees:
-start-up, signals, exit status, and what the server leaves behind (processes, socket folders)."""
+"""``ember serve`` as a real child process, for tests of what a user or an orchestrator sees
+(start-up, signals, exit status, and what the server leaves behind: processes, socket folders),
+and for the benchmarks that measure a served engine: waiting for it to serve, stopping it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -53,6 +55,46 @@ def wait_gone(pids: list[int], timeout: float = 30.0) -> bool:
     return True
 
 
+def wait_serving(
+    process: subprocess.Popen, ready: Callable[[], bool], timeout: float, interval: float = 0.05
+) -> None:
+    """Poll ``ready()`` (an HTTP probe; a transport error counts as not yet) until it is true.
+
+    Raises RuntimeError if ``process`` exits first, and TimeoutError, having killed it, if
+    ``timeout`` seconds pass.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"ember serve exited with code {process.returncode}")
+        try:
+            if ready():
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise TimeoutError(f"ember serve did not answer within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+def is_healthy(base_url: str) -> Callable[[], bool]:
+    """A ``wait_serving`` probe: the server's ``/health`` answers 200."""
+    return lambda: httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+
+
+def stop(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop ``ember serve`` as a user does, with Ctrl-C (SIGINT); kill it if it has not exited
+    within ``timeout`` seconds."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class ServeProcess:
     """``with ServeProcess(args, tmp_path) as server:`` runs ``ember serve *args`` on a free port.
 
@@ -82,18 +124,10 @@ class ServeProcess:
 
     def __enter__(self) -> ServeProcess:
         self.start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ember serve exited early:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ember serve did not come up:\n{self.log.read_text()}")
-            time.sleep(0.2)
+        try:
+            wait_serving(self.process, is_healthy(self.base_url), START_TIMEOUT, interval=0.2)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}:\n{self.log.read_text()}") from None
         self.engine_pids = child_pids(self.process.pid)
         return self
 

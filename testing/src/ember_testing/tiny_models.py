@@ -23,12 +23,25 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(_TIED, head_dim=32),  # q/k norm is built in
 }
 
+# The benchmarks' Llama of about 30M parameters (with ``tiny_model_path("llama", ...)``): 9 layers of
+# hidden 512, 8 query / 4 KV heads of 64, MLP 1536; large enough that a step's compute, not the
+# engine's host work, dominates, as in a real model.
+BENCH_LLAMA_CONFIG: dict[str, Any] = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=9,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+
 # transformers' *ForSequenceClassification exists for these (Mistral's classifier is not one Ember
 # loads); the pad token id (set in every config here) lets HF find each row's last token.
 CLASSIFIER_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 __all__ = [
     "ARCHITECTURES",
+    "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
     "tiny_classifier_path",
     "tiny_model_path",

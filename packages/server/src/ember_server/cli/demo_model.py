@@ -68,13 +68,12 @@ LLAMA_CONFIG = dict(
 )
 DEMO_MODEL_NAME = "ember-demo"
 # A Llama a few MB in size: big enough to batch meaningfully, small enough to write in seconds.
+# Its heads are the base's (4 query, 2 KV).
 DEMO_MODEL_CONFIG = dict(
     LLAMA_CONFIG,
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=2048,
 )
 

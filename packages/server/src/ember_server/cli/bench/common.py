@@ -1,12 +1,22 @@
-"""Helpers shared by the benchmarks: synthetic prompts, percentiles, JSON reports."""
+"""Helpers shared by the benchmarks: synthetic prompts, the offline engine over them,
+percentiles, JSON reports."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import pathlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ember_scheduler.sampling_params import SamplingParams
+    from ember_server.engine.engine_args import EngineArgs
+    from ember_server.engine.llm import LLM
 
 # Low ids are special tokens in most vocabularies (the demo model's are 0-5): keep clear of them.
 FIRST_PLAIN_TOKEN_ID = 16
@@ -26,6 +36,26 @@ def random_prompts(
     return rng.integers(FIRST_PLAIN_TOKEN_ID, high, size=(num, input_len)).tolist()
 
 
+@contextlib.contextmanager
+def offline_workload(
+    engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int
+) -> Iterator[tuple[LLM, list[list[int]], SamplingParams]]:
+    """``(llm, prompts, params)``: an ``LLM`` of ``engine_args``, ``num_prompts`` random prompts
+    of ``input_len`` tokens within its vocabulary (seeded by ``engine_args.seed``), and greedy
+    ``ignore_eos`` params, so that every request yields exactly ``output_len`` tokens. The engine
+    shuts down on exit."""
+    from ember_scheduler.sampling_params import SamplingParams
+    from ember_server.engine.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    try:
+        vocab_size = llm.model_config.vocab_size
+        prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
+        yield llm, prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    finally:
+        llm.shutdown()
+
+
 def percentiles_ms(values_s: list[float], points=(50, 99)) -> dict[str, float]:
     """``{"p50_ms": ..., "p99_ms": ..., "mean_ms": ...}`` of durations in seconds (NaN if none)."""
     if not values_s:
@@ -36,10 +66,18 @@ def percentiles_ms(values_s: list[float], points=(50, 99)) -> dict[str, float]:
     return result
 
 
-def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+def add_workload_args(
+    parser: argparse.ArgumentParser, num_prompts: int, input_len: int = 32, output_len: int = 32
+) -> None:
+    """The random-prompt workload's flags (``--num-prompts``, ``--input-len``, ``--output-len``)
+    and ``--output-json``, with these defaults."""
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
-    parser.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
-    parser.add_argument("--output-len", type=int, default=32, help="Output tokens per request.")
+    parser.add_argument(
+        "--input-len", type=int, default=input_len, help="Prompt tokens per request."
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=output_len, help="Output tokens per request."
+    )
     parser.add_argument("--output-json", default=None, help="Also write the results here.")
 
 

@@ -7,10 +7,9 @@ Runs ``--num-iters-warmup`` untimed and ``--num-iters`` timed ``LLM.generate`` c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
-from ember_server.cli.bench.common import percentiles_ms, random_prompts, write_json
+from ember_server.cli.bench.common import offline_workload, percentiles_ms, write_json
 from ember_server.engine.engine_args import EngineArgs
 
 
@@ -31,14 +30,8 @@ def measure(
     num_iters: int,
     num_iters_warmup: int,
 ) -> dict:
-    from ember_scheduler.sampling_params import SamplingParams
-    from ember_server.engine.llm import LLM
-
-    llm = LLM(**dataclasses.asdict(engine_args))
-    try:
-        vocab_size = llm.model_config.vocab_size
-        prompts = random_prompts(batch_size, input_len, vocab_size, seed=engine_args.seed)
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    workload = offline_workload(engine_args, batch_size, input_len, output_len)
+    with workload as (llm, prompts, params):
         for _ in range(num_iters_warmup):
             llm.generate(prompts, params, use_tqdm=False)
         latencies = []
@@ -46,8 +39,6 @@ def measure(
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             latencies.append(time.perf_counter() - start)
-    finally:
-        llm.shutdown()
     return dict(
         batch_size=batch_size,
         input_len=input_len,

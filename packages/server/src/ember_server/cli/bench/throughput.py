@@ -7,10 +7,9 @@ yields exactly ``--output-len`` tokens. Reports requests/s, output tokens/s and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
-from ember_server.cli.bench.common import add_workload_args, random_prompts, write_json
+from ember_server.cli.bench.common import add_workload_args, offline_workload, write_json
 from ember_server.engine.engine_args import EngineArgs
 
 
@@ -24,14 +23,8 @@ def measure(
 ) -> dict:
     """Build the engine, warm it up, then time ``generate`` over every prompt (best of
     ``repeats`` runs: on a shared machine the best run is the least disturbed one)."""
-    from ember_scheduler.sampling_params import SamplingParams
-    from ember_server.engine.llm import LLM
-
-    llm = LLM(**dataclasses.asdict(engine_args))
-    try:
-        vocab_size = llm.model_config.vocab_size
-        prompts = random_prompts(num_prompts, input_len, vocab_size, seed=engine_args.seed)
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    workload = offline_workload(engine_args, num_prompts, input_len, output_len)
+    with workload as (llm, prompts, params):
         # Warm up: the first passes of each batch shape are slow.
         llm.generate(prompts[:16], params.clone(max_tokens=4), use_tqdm=False)
         elapsed = float("inf")
@@ -39,8 +32,6 @@ def measure(
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = min(elapsed, time.perf_counter() - start)
-    finally:
-        llm.shutdown()
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(
         num_requests=num_prompts,
