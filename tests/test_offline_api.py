@@ -30,3 +30,14 @@ def test_greedy_matches_transformers_on_every_architecture(tiny_model_any):
         assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
         assert completion.finish_reason == "length"
         assert completion.logprobs is None
+
+
+def test_ember_reexports_the_server_public_names():
+    """The meta-package's names are the server's own objects, its list the server's list."""
+    import ember
+    import ember_server
+
+    assert ember.LLM is ember_server.LLM is LLM
+    assert ember.SamplingParams is ember_server.SamplingParams is SamplingParams
+    assert ember.AsyncLLM is ember_server.AsyncLLM
+    assert set(ember.__all__) <= set(ember_server.__all__)

@@ -290,9 +290,7 @@ def test_public_names_load_on_first_use():
         "import sys, ember_server; assert 'torch' not in sys.modules; "
         "from ember_server import AsyncLLM, EngineArgs, SamplingParams; "
         "assert 'torch' not in sys.modules, 'torch was imported'; "
-        "import ember; from ember_server.engine.llm import LLM; "
-        "assert ember.LLM is ember_server.LLM is LLM and ember.SamplingParams is SamplingParams; "
-        "assert AsyncLLM.__module__ == 'ember_server.engine.async_llm'; "
-        "assert set(ember.__all__) <= set(ember_server.__all__)"
+        "from ember_server.engine.llm import LLM; assert ember_server.LLM is LLM; "
+        "assert AsyncLLM.__module__ == 'ember_server.engine.async_llm'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
