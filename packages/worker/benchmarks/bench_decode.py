@@ -35,19 +35,10 @@ from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_testing.roofline import batched_roofline, decode_roofline, matmul_peak, triad_bandwidth
-from ember_testing.tiny_models import tiny_model_path
+from ember_testing.tiny_models import QWEN_05B_CONFIG, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
-QWEN_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    initializer_range=0.02,
-)
+QWEN_05B = QWEN_05B_CONFIG
 PROMPT, OUTPUT, BATCH = 64, 128, 32
 MAX_MODEL_LEN = 512
 

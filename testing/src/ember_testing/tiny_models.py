@@ -35,6 +35,19 @@ BENCH_LLAMA_CONFIG: dict[str, Any] = dict(
     head_dim=64,
 )
 
+# A Qwen2.5-0.5B-shaped model (with ``tiny_model_path("qwen2", ...)``, random weights): the size
+# CPU users run, for the benchmarks that compare speed at a real shape.
+QWEN_05B_CONFIG: dict[str, Any] = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+)
+
 # transformers' *ForSequenceClassification exists for these (Mistral's classifier is not one Ember
 # loads); the pad token id (set in every config here) lets HF find each row's last token.
 CLASSIFIER_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -43,6 +56,7 @@ __all__ = [
     "ARCHITECTURES",
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
+    "QWEN_05B_CONFIG",
     "tiny_classifier_path",
     "tiny_model_path",
     "tokenizer_path",
