@@ -45,7 +45,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_model, arch):
 def test_merged_projections_hold_the_checkpoint_tensors(tiny_model):
     path = tiny_model("qwen2")  # qkv bias, tied embeddings
     ckpt = _checkpoint(path)
-    loaded = load_model(path)
+    loaded = load_model(path, dtype="float32")
     layer = loaded.model.model.layers[1]
     qkv = torch.cat([ckpt[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
@@ -59,7 +59,7 @@ def test_merged_projections_hold_the_checkpoint_tensors(tiny_model):
 
 def test_untied_lm_head_is_its_own_tensor(tiny_model):
     path = tiny_model("llama")
-    loaded = load_model(path)
+    loaded = load_model(path, dtype="float32")
     assert not loaded.config.tie_word_embeddings
     assert torch.equal(loaded.model.lm_head.weight, _checkpoint(path)["lm_head.weight"])
     assert loaded.config.rope_scaling["rope_type"] == "llama3"
@@ -68,7 +68,6 @@ def test_untied_lm_head_is_its_own_tensor(tiny_model):
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [
-        ("auto", torch.float32),
         ("float32", torch.float32),
         ("bfloat16", torch.bfloat16),
         ("float16", torch.float16),
@@ -139,13 +138,14 @@ def test_a_tensor_parallel_group_needs_a_process_group():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM heads
 def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, arch, monkeypatch):
     path = tiny_model(arch)
-    by_size = load_model(path, pack_weights=True)
+    by_size = load_model(path, dtype="float32", pack_weights=True)
     for module in by_size.model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             big = module.weight.numel() >= linear_layers.MIN_PACKED_ELEMENTS[torch.float32]
             assert module.weight.is_mkldnn == big
     monkeypatch.setitem(linear_layers.MIN_PACKED_ELEMENTS, torch.float32, 0)
-    plain, packed = load_model(path), load_model(path, pack_weights=True)
+    plain = load_model(path, dtype="float32")
+    packed = load_model(path, dtype="float32", pack_weights=True)
     projections = [
         m for m in packed.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     ]
@@ -193,3 +193,16 @@ def test_auto_dtype_runs_float16_checkpoints_as_bfloat16_on_cpus_without_float16
     assert choose_dtype("auto", config, "cpu")[0] == torch.float16
     config.dtype = "bfloat16"
     assert choose_dtype("auto", config, "cpu") == (torch.bfloat16, "auto: the checkpoint's dtype")
+
+
+def test_auto_dtype_runs_float32_checkpoints_as_bfloat16_where_the_cpu_has_bf16_dot_products(
+    tiny_model, monkeypatch
+):
+    config = load_hf_config(tiny_model("llama"))
+    config.dtype = "float32"
+    monkeypatch.setattr(cpu_features, "has_bf16_arithmetic", lambda: True)
+    dtype, why = choose_dtype("auto", config, "cpu")
+    assert dtype == torch.bfloat16 and "native bfloat16" in why
+    assert choose_dtype("float32", config, "cpu") == (torch.float32, "asked for")
+    monkeypatch.setattr(cpu_features, "has_bf16_arithmetic", lambda: False)
+    assert choose_dtype("auto", config, "cpu") == (torch.float32, "auto: the checkpoint's dtype")

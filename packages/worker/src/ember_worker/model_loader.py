@@ -50,8 +50,10 @@ def choose_dtype(
     dtype: str | torch.dtype, hf_config: HFConfig, device: str | torch.device = "cpu"
 ) -> tuple[torch.dtype, str]:
     """(dtype, why). An explicit dtype is kept. ``"auto"`` takes the checkpoint's dtype (float32
-    when it names none), except that a float16 checkpoint runs as bfloat16 on a CPU without
-    float16 arithmetic (same exponent range as float32, so no overflow; as vLLM's CPU backend)."""
+    when it names none), except on a CPU: a float16 checkpoint runs as bfloat16 where the CPU has
+    no float16 arithmetic (same exponent range as float32, so no overflow), and a float32 one runs
+    as bfloat16 where the CPU has native bfloat16 dot products (AMX or AVX512-BF16: half the
+    bytes per token for decode, which is bandwidth-bound), as vLLM's CPU backend chooses."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype}")
@@ -72,6 +74,11 @@ def choose_dtype(
         return torch.bfloat16, (
             "auto: a float16 checkpoint, run as bfloat16 because this CPU has no float16 "
             f"arithmetic ({cpu_features.describe()})"
+        )
+    if checkpoint == torch.float32 and on_cpu and cpu_features.has_bf16_arithmetic():
+        return torch.bfloat16, (
+            "auto: a float32 checkpoint, run as bfloat16 because this CPU has native bfloat16 "
+            f"arithmetic ({cpu_features.describe()}); pass dtype='float32' for full precision"
         )
     return checkpoint, "auto: the checkpoint's dtype"
 
