@@ -100,6 +100,16 @@ def test_whole_ten_mb_body_gets_a_413(server):
     _error(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=TIMEOUT), 413)
 
 
+def test_headers_over_64_kib_get_a_431_and_the_server_answers_on(server):
+    big = {f"x-filler-{i}": "a" * 10_000 for i in range(20)}  # about 200 KB of headers
+    body = {"prompt": "hi", "max_tokens": 1}
+    url = f"{server.base_url}/v1/completions"
+    error = _error(httpx.post(url, json=body, headers=big, timeout=TIMEOUT), 431)
+    assert "limit of 65536 bytes" in error["message"]
+    small = {f"x-filler-{i}": "a" * 10_000 for i in range(5)}
+    assert httpx.post(url, json=body, headers=small, timeout=TIMEOUT).status_code == 200
+
+
 def test_prompt_longer_than_any_context_is_refused_without_tokenizing(tiny_model):
     args = EngineArgs(model=str(tiny_model("llama")), max_model_len=256, kv_cache_memory=2**21)
     with ServerThread(args, max_body_size=64 * 1024**2) as big_bodies:

@@ -13,6 +13,7 @@ from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine.admission import AdmissionControl, RequestTimeoutError
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, launch_engines
 from ember_server.engine.data_parallel import DataParallelRouter
 from ember_server.engine.engine_args import EngineArgs
@@ -67,6 +68,7 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._dead = asyncio.Event()
         self._queues: dict[str, RequestOutputCollector] = {}
+        self.admission = AdmissionControl(args.max_num_waiting_requests, args.request_timeout)
         self._idle = asyncio.Event()
         self._idle.set()
         self._shut_down = False
@@ -190,6 +192,7 @@ class AsyncLLM:
         priority: int = 0,
         stream: bool = True,
         output_kind: RequestOutputKind | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: deltas when ``stream``, else one final cumulative output
         (``output_kind``, when given, chooses instead: ``CUMULATIVE`` streams everything so far).
@@ -197,8 +200,11 @@ class AsyncLLM:
 
         Input is checked here, at the call (``ValueError`` naming the problem), before anything
         reaches the engine core (a ``TokenizedPrompt`` from ``input_processor``, as the HTTP
-        routes pass, was checked when it was made); the request is sent when iteration starts. Leaving the iteration
-        early (or cancelling it) aborts the request and frees its KV blocks.
+        routes pass, was checked when it was made); the request is sent when iteration starts.
+        Leaving the iteration early (or cancelling it) aborts the request and frees its KV blocks.
+        With the waiting queue full (``max_num_waiting_requests``) it raises
+        ``EngineOverloadedError``; past ``timeout`` seconds (default ``request_timeout``) the
+        request is aborted and the iteration raises ``RequestTimeoutError``.
         """
         if self.dead_error is not None:
             raise self.dead_error
@@ -208,10 +214,14 @@ class AsyncLLM:
         engine_requests = self.input_processor.make_requests(
             request_id, prompt.token_ids, sampling_params, priority
         )
+        deadline = self.admission.deadline(timeout)
+        self.admission.check()
         kind = output_kind
         if kind is None:
             kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        return self._stream_outputs(request_id, prompt.text, sampling_params, engine_requests, kind)
+        return self._stream_outputs(
+            request_id, prompt.text, sampling_params, engine_requests, kind, deadline
+        )
 
     async def encode(
         self,
@@ -233,6 +243,7 @@ class AsyncLLM:
         request = self.input_processor.make_pooling_request(
             request_id, ids, pooling_params, priority
         )
+        self.admission.check()
         self.output_processor.add_pooling_request(request)
         queue = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
         self._queues[request_id] = queue
@@ -249,6 +260,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self._abort(request_id)
+            self.admission.forget(request_id)
             self._forget_queue(request_id, queue)
             self.router.finish(request_id)
 
@@ -263,9 +275,10 @@ class AsyncLLM:
         )
         self.metrics.record_route(decision.engine, decision.reason)
         await self.clients[decision.engine].add_requests(engine_requests)
+        self.admission.sent(request_id)
 
     async def _stream_outputs(
-        self, request_id, text, sampling_params, engine_requests, kind
+        self, request_id, text, sampling_params, engine_requests, kind, deadline
     ) -> AsyncIterator[RequestOutput]:
         # Registered on first iteration, so a generator that is never iterated leaves nothing.
         if self.dead_error is not None:
@@ -280,7 +293,8 @@ class AsyncLLM:
         try:
             await self._send(request_id, engine_requests)
             while not finished:
-                item = queue.get_nowait() or await queue.get()
+                item = queue.get_nowait() or await _get_before(queue, deadline, request_id)
+                self.admission.started(request_id)
                 finished = item.finished
                 yield item
         except EngineDeadError:
@@ -289,6 +303,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self._abort(request_id)
+            self.admission.forget(request_id)
             self._forget_queue(request_id, queue)
             self.router.finish(request_id)
             if not self._queues:
@@ -403,6 +418,19 @@ class AsyncLLM:
         self._shut_down = True
         await asyncio.gather(*(client.shutdown() for client in self.clients))
         self.fail_requests(EngineDeadError("engine was shut down"))
+
+
+async def _get_before(queue: RequestOutputCollector, deadline: float | None, request_id: str):
+    """The queue's next item, or ``RequestTimeoutError`` once ``deadline`` passes."""
+    if deadline is None:
+        return await queue.get()
+    try:
+        async with asyncio.timeout_at(deadline):  # the event loop's clock is time.monotonic()
+            return await queue.get()
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"request {request_id!r} passed its deadline and was aborted"
+        ) from None
 
 
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

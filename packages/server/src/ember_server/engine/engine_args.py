@@ -15,6 +15,7 @@ from ember_scheduler.config import (
     SCHEDULING_POLICIES,
     check_int,
 )
+from ember_server.engine.admission import check_timeout
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
 from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
@@ -96,6 +97,10 @@ class EngineArgs:
     # Schedule step n+1 while the model runs step n. None: on where it is supported and wins
     # (``use_async_scheduling``).
     async_scheduling: bool | None = None
+    # Admission control of the serving front end (``engine.admission``): requests sent but not
+    # yet started past which new ones get a 503, and the deadline of a request without its own.
+    max_num_waiting_requests: int | None = None
+    request_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -133,6 +138,10 @@ class EngineArgs:
             KVTransferConfig.from_dict(self.kv_transfer_config)
             if not self.enable_prefix_caching:
                 raise ValueError("EngineArgs.kv_transfer_config needs enable_prefix_caching")
+        check_int(
+            "EngineArgs.max_num_waiting_requests", self.max_num_waiting_requests, optional=True
+        )
+        check_timeout(self.request_timeout, "EngineArgs.request_timeout")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(
                 f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
@@ -302,6 +311,20 @@ class EngineArgs:
             choices=EXECUTOR_BACKENDS,
             help="uni: one rank in the engine process; mp: one process per rank on this machine; "
             "ray: Ray actors across a Ray cluster. Default: uni for one rank, else mp.",
+        )
+        group.add_argument(
+            "--max-num-waiting-requests",
+            type=int,
+            default=None,
+            help="Requests sent to the engine but not yet started (queued or prefilling) past "
+            "which new ones get a 503 with Retry-After. Default: no bound.",
+        )
+        group.add_argument(
+            "--request-timeout",
+            type=float,
+            default=None,
+            help="Seconds a request may take before it is aborted (a body's 'timeout' wins). "
+            "Default: none.",
         )
         return parser
 

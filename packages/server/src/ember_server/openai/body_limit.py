@@ -1,9 +1,12 @@
-"""The request body limit: a 413 with an OpenAI error body, decided before the body is read whole.
+"""The request size limits: a 413 for a body, a 431 for headers, with an OpenAI error body,
+decided before the body is read whole.
 
 FastAPI's own ``max_body_size`` answers a declared oversize body with plain text, so the limit is
 this small ASGI middleware instead: a Content-Length over the limit is refused before any of the
 body is read, and a body without one (chunked) is counted as it arrives and refused the moment it
-passes the limit. The rest is never read, so a huge body costs neither memory nor time.
+passes the limit. The rest is never read, so a huge body costs neither memory nor time. Headers
+over ``MAX_HEADER_BYTES`` in all (names and values) get a 431 before the app sees the request:
+the HTTP parser accepts any size, and every header is held in memory for the request's life.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember_server.openai.errors import error_response
+
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class BodyTooLarge(HTTPException):
@@ -27,15 +32,27 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimitMiddleware:
-    """Refuses HTTP request bodies over ``max_bytes`` with a 413."""
+    """Refuses HTTP request bodies over ``max_bytes`` with a 413, and requests whose headers
+    pass ``max_header_bytes`` in all with a 431."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+        if header_bytes > self.max_header_bytes:
+            message = (
+                f"The request headers hold {header_bytes} bytes, over this server's limit of "
+                f"{self.max_header_bytes} bytes."
+            )
+            await error_response(message, 431)(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:

@@ -2,7 +2,8 @@
 
 Bad input is always a 4xx with ``{"error": {"message", "type", "param", "code"}}``: malformed
 JSON and wrongly typed or missing fields (400), a bad API key (401), an unknown model or route
-(404), a body over the size limit (413). A dead or stopping engine is a 503. Only a bug in Ember
+(404), a body over the size limit (413), headers over theirs (431). A dead or stopping engine, or a
+full waiting queue, is a 503 (the latter with ``Retry-After``). Only a bug in Ember
 itself is a 500.
 """
 
@@ -25,7 +26,10 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable_error",
 }
@@ -39,11 +43,18 @@ _UNION_MEMBER = re.compile(r"[a-z_-]+\[.*\]|str|int|float|bool|[A-Z][A-Za-z]*")
 class OpenAIError(Exception):
     """A failure to report to the client with an HTTP status and, where known, the field."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers  # e.g. Retry-After of a 503
 
 
 def error_body(message: str, status: int, param: str | None = None) -> ErrorResponse:
@@ -51,9 +62,11 @@ def error_body(message: str, status: int, param: str | None = None) -> ErrorResp
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = error_body(message, status, param)
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def from_value_error(exc: ValueError) -> OpenAIError:
@@ -102,7 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -91,6 +91,8 @@ class SamplingFields(OpenAIRequest):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Int64 = 0
+    # Seconds the request may take before it is aborted (default: ember serve --request-timeout).
+    timeout: Annotated[float, Field(gt=0)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     # What the output must match, from the fields above (or a chat request's forced tool call).

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import anyio
 
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine.admission import EngineOverloadedError, RequestTimeoutError
 from ember_server.engine.core_client import EngineDeadError
 from ember_server.engine.input_processor import TokenizedPrompt
 from ember_server.engine.outputs import RequestOutput
@@ -152,13 +153,15 @@ class OpenAIServing:
         priority: int,
         stream: bool,
         structured_field: str | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt; the engine checks it now, so bad input is a 400 before any output,
         and it is sent at once (see ``StartedStream``). A structured-output spec that does not
-        parse is a 400 naming ``structured_field``, the request field it came from."""
+        parse is a 400 naming ``structured_field``, the request field it came from. ``timeout``
+        (seconds, the body's) bounds the request's time; a full waiting queue is a 503."""
         try:
             outputs = self.engine.generate(
-                prompt, params, request_id, priority=priority, stream=stream
+                prompt, params, request_id, priority=priority, stream=stream, timeout=timeout
             )
         except ValueError as exc:
             if structured_field is not None and str(exc).startswith(STRUCTURED_OUTPUTS):
@@ -166,6 +169,8 @@ class OpenAIServing:
             raise from_value_error(exc) from exc
         except EngineDeadError as exc:  # it died (or the server began to stop) since the check
             raise OpenAIError(f"The engine is not running: {exc}", 503) from exc
+        except EngineOverloadedError as exc:
+            raise overloaded(exc) from exc
         return StartedStream(self._abort_unless_finished(outputs, request_id))
 
     async def _abort_unless_finished(
@@ -195,7 +200,16 @@ class OpenAIServing:
             return exc
         if isinstance(exc, ValueError):  # the engine core refused the request (bad input)
             return from_value_error(exc)
+        if isinstance(exc, RequestTimeoutError):
+            return OpenAIError(str(exc), 408, "timeout")
+        if isinstance(exc, EngineOverloadedError):
+            return overloaded(exc)
         if isinstance(exc, EngineDeadError) or self.engine.errored:
             return OpenAIError(f"The request could not finish: {exc}", 503)
         logger.exception("generation failed", exc_info=exc)
         return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+def overloaded(exc: EngineOverloadedError) -> OpenAIError:
+    """A full waiting queue: 503 with the time to retry after."""
+    return OpenAIError(str(exc), 503, headers={"Retry-After": str(exc.retry_after)})

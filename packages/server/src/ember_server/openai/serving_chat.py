@@ -70,7 +70,13 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request.to_sampling_params, max_tokens)
         request_id = random_id("chatcmpl")
         outputs = self.generate(
-            prompt, params, request_id, request.priority, request.stream, request.structured_field
+            prompt,
+            params,
+            request_id,
+            request.priority,
+            request.stream,
+            request.structured_field,
+            timeout=request.timeout,
         )
         if request.stream:
             return StreamingResponse(

@@ -58,6 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         request.priority,
                         request.stream,
                         request.structured_field,
+                        timeout=request.timeout,
                     )
                 )
         except Exception:  # a later prompt refused: the ones already sent are withdrawn
