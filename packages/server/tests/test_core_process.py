@@ -20,7 +20,9 @@ def model_path(tiny_model):
 
 def test_killed_engine_fails_in_flight_requests_at_once(model_path):
     async def run():
-        args = EngineArgs(model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=512)
+        args = EngineArgs(
+            model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=512, max_engine_restarts=0
+        )
         engine = await AsyncLLM.start(args)
         try:
             params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
@@ -64,7 +66,8 @@ def test_bad_model_folder_is_a_value_error(tmp_path):
 
 def test_a_refused_request_fails_alone_and_a_failing_loop_reports_its_error(model_path):
     async def run():
-        engine = await AsyncLLM.start(EngineArgs(model=model_path, kv_cache_memory=4 * 1024**2))
+        args = EngineArgs(model=model_path, kv_cache_memory=4 * 1024**2, max_engine_restarts=0)
+        engine = await AsyncLLM.start(args)
         try:
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             (client,) = engine.clients  # one engine core

@@ -192,6 +192,7 @@ def test_a_killed_engine_fails_only_its_requests_and_the_other_keeps_serving(tin
         max_num_seqs=8,
         kv_cache_memory=2**21,
         data_parallel_size=2,
+        max_engine_restarts=0,  # fail-stop: a dead engine's requests fail, nothing restarts
     )
     body = dict(prompt="def main(argv):", max_tokens=1000, ignore_eos=True)  # outlasts the kill
     with ServerThread(args) as server:

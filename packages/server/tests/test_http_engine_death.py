@@ -21,7 +21,11 @@ TIMEOUT = 30
 @pytest.fixture
 def server(tiny_model):
     args = EngineArgs(
-        model=str(tiny_model("llama")), max_model_len=1024, max_num_seqs=8, kv_cache_memory=2**21
+        model=str(tiny_model("llama")),
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_memory=2**21,
+        max_engine_restarts=0,  # fail-stop: requests fail, nothing restarts
     )
     with ServerThread(args) as running:
         yield running

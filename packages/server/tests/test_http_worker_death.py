@@ -44,6 +44,7 @@ def test_killed_worker_fails_requests_and_leaves_no_process(tiny_model):
         kv_cache_memory=2**21,
         num_threads=1,
         tensor_parallel_size=2,
+        max_engine_restarts=0,  # fail-stop: requests fail, nothing restarts
     )
     with ServerThread(args) as server:
         engine_pid = server.engine.engine_core_pid

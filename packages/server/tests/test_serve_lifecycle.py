@@ -106,7 +106,7 @@ def test_sigint_past_the_grace_period_fails_what_is_left_with_a_clear_error(mode
 
 
 def test_engine_death_fails_requests_and_exits_nonzero_for_a_restart(model, tmp_path):
-    with ServeProcess(_flags(model), tmp_path) as server:
+    with ServeProcess(_flags(model, "--max-engine-restarts", "0"), tmp_path) as server:
         (stream,) = _start_streams(server.base_url, 1, max_tokens=2000)
         os.kill(server.engine_pids[0], signal.SIGKILL)
         stream.join(TIMEOUT)

@@ -155,10 +155,10 @@ class EngineCore:
         try:
             if isinstance(request, EngineCoreRequest):
                 request = Request.from_engine_core_request(request)
-            if max(request.prompt_token_ids) >= self.executor.vocab_size:
+            if max(request.all_token_ids) >= self.executor.vocab_size:
                 raise ValueError(
-                    f"Request.prompt_token_ids of {request.request_id!r} must lie in "
-                    f"[0, {self.executor.vocab_size}) (the model's vocabulary)"
+                    f"Request.prompt_token_ids and output_token_ids of {request.request_id!r} "
+                    f"must lie in [0, {self.executor.vocab_size}) (the model's vocabulary)"
                 )
             self.scheduler.add_request(request)
         except ValueError:

@@ -38,6 +38,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Set for a pooling request: it returns pooled hidden states after its prompt and samples
     # nothing (its sampling_params are ignored).
     pooling_params: PoolingParams | None = None
+    # A continuation (a request moved from an engine core that died): the tokens it had already
+    # produced. The engine recomputes their KV and goes on from there, as after a preemption, so
+    # seeded sampling, penalties, min_tokens, max_tokens and the grammar see the same history.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

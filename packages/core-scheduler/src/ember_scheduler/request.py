@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from ember_kv_cache import BlockHashExtras
@@ -124,6 +125,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         pooling_params: PoolingParams | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"Request.request_id must be a non-empty string, got {request_id!r}")
@@ -143,11 +145,23 @@ class Request:
                 f"SamplingParams.n must be 1 inside the engine core (the front end fans out "
                 f"n > 1 into separate requests), got {sampling_params.n} for {request_id!r}"
             )
+        if output_token_ids and (pooling_params is not None or min(output_token_ids) < 0):
+            raise ValueError(
+                f"Request.output_token_ids must be non-negative token ids of a generating "
+                f"request (request {request_id!r})"
+            )
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is not None and len(output_token_ids) >= max_tokens:
+            raise ValueError(
+                f"Request.output_token_ids of {request_id!r} hold {len(output_token_ids)} tokens, "
+                f"no fewer than SamplingParams.max_tokens ({max_tokens}): nothing is left to do"
+            )
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.all_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # Non-empty for a continuation: the tokens it had produced before it moved here.
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.spec_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params  # set: finishes after its prompt, pooled
@@ -191,6 +205,7 @@ class Request:
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
             pooling_params=request.pooling_params,
+            output_token_ids=request.output_token_ids,
         )
 
     @property

@@ -10,6 +10,7 @@ engine core, which frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -83,3 +84,16 @@ class AdmissionControl:
     def forget(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed) before or after it started."""
         self._waiting.pop(request_id, None)
+
+
+async def next_before(deadline: float | None, queue, request_id: str):
+    """``queue``'s next item, or ``RequestTimeoutError`` once ``deadline`` passes."""
+    if deadline is None:
+        return await queue.get()
+    try:
+        async with asyncio.timeout_at(deadline):  # the event loop's clock is time.monotonic()
+            return await queue.get()
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"request {request_id!r} passed its deadline and was aborted"
+        ) from None

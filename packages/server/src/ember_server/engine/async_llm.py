@@ -13,7 +13,7 @@ from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine.admission import AdmissionControl, RequestTimeoutError
+from ember_server.engine.admission import AdmissionControl, next_before
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, launch_engines
 from ember_server.engine.data_parallel import DataParallelRouter
 from ember_server.engine.engine_args import EngineArgs
@@ -24,6 +24,7 @@ from ember_server.engine.output_collector import RequestOutputCollector
 from ember_server.engine.output_processor import OutputProcessor
 from ember_server.engine.outputs import RequestOutput, RequestOutputKind
 from ember_server.engine.pooling_outputs import PoolingRequestOutput
+from ember_server.engine.recovery import EngineRecovery
 from ember_server.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ class AsyncLLM:
     process (``data_parallel_size`` of them, routed by ``DataParallelRouter``).
 
     Build it with ``await AsyncLLM.start(args)`` inside the event loop that will use it. If an
-    engine process dies, its in-flight requests raise ``EngineDeadError`` at once and the others
-    go on; once no engine is left, ``errored`` turns true and new requests are refused.
+    engine process dies, it is restarted and its requests move on (``recovery``); past
+    ``max_engine_restarts`` its in-flight requests raise ``EngineDeadError`` and the others go
+    on; once no engine is left, ``errored`` turns true and new requests are refused.
     """
 
     def __init__(
@@ -72,10 +74,11 @@ class AsyncLLM:
         self._idle = asyncio.Event()
         self._idle.set()
         self._shut_down = False
+        self.recovery = EngineRecovery(self, args.max_engine_restarts)
         for index in range(len(clients)):
             metrics.record_engine_alive(index, True)
-        self._output_tasks = [
-            asyncio.ensure_future(self._run_output_handler(index)) for index in range(len(clients))
+        self.output_tasks = [
+            asyncio.ensure_future(self.run_output_handler(index)) for index in range(len(clients))
         ]
 
     @classmethod
@@ -96,7 +99,7 @@ class AsyncLLM:
             if engine is None:
                 dead_codes.setdefault(index, code)
             else:
-                engine._on_engine_dead(index, f"engine core process exited with code {code}")
+                engine.on_engine_exit(index, code)
 
         if clients is None:
             clients = launch_engines(args)
@@ -119,8 +122,12 @@ class AsyncLLM:
             raise
         engine = cls(args, model_config, tokenizer, clients, EngineMetrics(args.model_name))
         for index, code in dead_codes.items():
-            engine._on_engine_dead(index, f"engine core process exited with code {code}")
+            engine.on_engine_exit(index, code)
         return engine
+
+    def on_engine_exit(self, index: int, code: int) -> None:
+        """Engine core ``index``'s process exited (its client's watcher calls this)."""
+        self._on_engine_dead(index, f"engine core process exited with code {code}")
 
     @property
     def served_model_name(self) -> str:
@@ -174,6 +181,19 @@ class AsyncLLM:
             self._dead.set()
         for queue in self._queues.values():
             queue.put(error)
+
+    def fail_request(self, request_id: str, error: Exception) -> None:
+        """End one request with ``error`` (its engine holds nothing of it)."""
+        self.output_processor.abort_requests([request_id])
+        self.router.finish(request_id)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put(error)
+
+    def give_up(self, error: EngineDeadError) -> None:
+        """No engine core is alive and none will be: fail everything (``ember serve`` exits)."""
+        self.fail_requests(error)
+        self.metrics.clear_engine_gauges()  # nothing runs or waits, no KV is held any more
 
     def is_healthy(self) -> bool:
         """True while some engine core is alive and serving."""
@@ -265,7 +285,9 @@ class AsyncLLM:
             self.router.finish(request_id)
 
     async def _send(self, request_id: str, engine_requests: list[EngineCoreRequest]) -> None:
-        """Route one front-end request (all its ``n`` children together) and send it."""
+        """Route one front-end request (all its ``n`` children together) and send it; while
+        every engine core is restarting, wait for one."""
+        await self.recovery.wait_for_engine()
         first = engine_requests[0]
         extras = None
         if first.cache_salt is not None or first.lora_name is not None:
@@ -293,7 +315,7 @@ class AsyncLLM:
         try:
             await self._send(request_id, engine_requests)
             while not finished:
-                item = queue.get_nowait() or await _get_before(queue, deadline, request_id)
+                item = queue.get_nowait() or await next_before(deadline, queue, request_id)
                 self.admission.started(request_id)
                 finished = item.finished
                 yield item
@@ -334,7 +356,7 @@ class AsyncLLM:
             with contextlib.suppress(EngineDeadError):
                 await self.clients[engine].abort_requests(engine_ids)
 
-    async def _run_output_handler(self, index: int) -> None:
+    async def run_output_handler(self, index: int) -> None:
         try:
             await self._handle_outputs(index)
         except asyncio.CancelledError:
@@ -380,35 +402,11 @@ class AsyncLLM:
             self.metrics.record_iteration(stats)
 
     def _on_engine_dead(self, index: int, reason: str) -> None:
-        """Fail the requests of engine ``index`` at once; with no engine left, fail everything."""
-        if self.engine_errors[index] is not None:
-            return
-        if len(self.clients) > 1:
-            reason = f"engine core {index} is dead: {reason}"
-        error = EngineDeadError(reason)
-        self.engine_errors[index] = error
-        self.router.mark_dead(index)
-        self.metrics.record_engine_alive(index, False)
-        request_ids = self.router.requests_on(index)
-        logger.error(
-            "engine core %d is dead, failing %d requests: %s", index, len(request_ids), reason
-        )
-        # Their state goes with them; nothing is sent to the dead engine.
-        self.output_processor.abort_requests(request_ids)
-        for request_id in request_ids:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put(error)
-        task = self._output_tasks[index]
-        if not task.done() and task is not asyncio.current_task():
-            task.cancel()
-        if all(e is not None for e in self.engine_errors):
-            self.fail_requests(error)
-            self.metrics.clear_engine_gauges()  # nothing runs or waits, no KV is held any more
+        self.recovery.engine_died(index, reason)
 
     async def shutdown(self) -> None:
         """Stop the engine core processes and fail whatever is still in flight."""
-        for task in self._output_tasks:
+        for task in self.output_tasks:
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -418,19 +416,6 @@ class AsyncLLM:
         self._shut_down = True
         await asyncio.gather(*(client.shutdown() for client in self.clients))
         self.fail_requests(EngineDeadError("engine was shut down"))
-
-
-async def _get_before(queue: RequestOutputCollector, deadline: float | None, request_id: str):
-    """The queue's next item, or ``RequestTimeoutError`` once ``deadline`` passes."""
-    if deadline is None:
-        return await queue.get()
-    try:
-        async with asyncio.timeout_at(deadline):  # the event loop's clock is time.monotonic()
-            return await queue.get()
-    except TimeoutError:
-        raise RequestTimeoutError(
-            f"request {request_id!r} passed its deadline and was aborted"
-        ) from None
 
 
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -140,3 +140,8 @@ class DataParallelRouter:
         """Route nothing more to ``engine``; what it held is gone."""
         self.alive[engine] = False
         self.indexes[engine] = EnginePrefixIndex()
+
+    def mark_alive(self, engine: int) -> None:
+        """``engine`` was restarted: route to it again (its prefix cache starts empty)."""
+        self.alive[engine] = True
+        self.indexes[engine] = EnginePrefixIndex()

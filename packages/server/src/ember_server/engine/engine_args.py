@@ -23,6 +23,8 @@ from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
+# Restarts of a dead engine core within ``recovery.RESTART_WINDOW`` before the server gives up.
+DEFAULT_MAX_ENGINE_RESTARTS = 3
 # Whether ``async_scheduling`` is on when not given (README: measured in bench_async_scheduling).
 DEFAULT_ASYNC_SCHEDULING = False
 _BYTE_UNITS = {
@@ -101,6 +103,8 @@ class EngineArgs:
     # yet started past which new ones get a 503, and the deadline of a request without its own.
     max_num_waiting_requests: int | None = None
     request_timeout: float | None = None
+    # Restarts of a dead engine core (its requests move on) before the server fails; 0: none.
+    max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -142,6 +146,7 @@ class EngineArgs:
             "EngineArgs.max_num_waiting_requests", self.max_num_waiting_requests, optional=True
         )
         check_timeout(self.request_timeout, "EngineArgs.request_timeout")
+        check_int("EngineArgs.max_engine_restarts", self.max_engine_restarts, minimum=0)
         if self.async_scheduling not in (None, True, False):
             raise ValueError(
                 f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
@@ -325,6 +330,13 @@ class EngineArgs:
             default=None,
             help="Seconds a request may take before it is aborted (a body's 'timeout' wins). "
             "Default: none.",
+        )
+        group.add_argument(
+            "--max-engine-restarts",
+            type=int,
+            default=DEFAULT_MAX_ENGINE_RESTARTS,
+            help="Restarts of a dead engine core within 5 minutes (its requests move to a live "
+            "or restarted engine) before the server gives up and exits 1; 0: fail at once.",
         )
         return parser
 

@@ -151,6 +151,12 @@ class EngineMetrics:
             ["model_name", "engine"],
             registry=r,
         )
+        self._engine_restarts = Counter(
+            "ember:engine_core_restarts",
+            "Times the engine core (by data-parallel index) was restarted after it died.",
+            ["model_name", "engine"],
+            registry=r,
+        )
         self._routed_requests = Counter(
             "ember:dp_routed_requests",
             "Requests sent to each engine core, by why: prefix (it held the prompt's prefix) "
@@ -209,6 +215,9 @@ class EngineMetrics:
 
     def record_engine_alive(self, engine: int, alive: bool) -> None:
         self._engine_alive.labels(self._model_name, str(engine)).set(int(alive))
+
+    def record_engine_restart(self, engine: int) -> None:
+        self._engine_restarts.labels(self._model_name, str(engine)).inc()
 
     def record_route(self, engine: int, reason: str) -> None:
         self._routed_requests.labels(self._model_name, str(engine), reason).inc()

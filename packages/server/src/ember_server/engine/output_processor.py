@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
+import msgspec
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -50,6 +51,7 @@ class ParentRequest:
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprobs_sent = False
+        self.num_migrations = 0  # times it moved to another engine core (``continuations``)
 
     @property
     def finished(self) -> bool:
@@ -88,6 +90,7 @@ class RequestState:
         self,
         parent: ParentRequest,
         index: int,
+        request: EngineCoreRequest,
         detokenizer: IncrementalDetokenizer,
         wants_logprobs: bool,
         wants_prompt_logprobs: bool,
@@ -95,6 +98,7 @@ class RequestState:
     ) -> None:
         self.parent = parent
         self.index = index
+        self.request = request  # as first sent, for a continuation elsewhere
         self.detokenizer = detokenizer
         self.logprobs: SampleLogprobs | None = [] if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
@@ -123,15 +127,15 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         self._children: dict[str, list[str]] = {}
-        # Pooling requests in flight: their prompt token ids (one engine request each, same id).
-        self.pooling_requests: dict[str, list[int]] = {}
+        # Pooling requests in flight (one engine request each, same id).
+        self.pooling_requests: dict[str, EngineCoreRequest] = {}
 
     def add_pooling_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.parent_requests or request.request_id in (
             self.pooling_requests
         ):
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        self.pooling_requests[request.request_id] = request.prompt_token_ids
+        self.pooling_requests[request.request_id] = request
 
     def add_request(
         self,
@@ -150,6 +154,7 @@ class OutputProcessor:
             self.request_states[request.request_id] = RequestState(
                 parent,
                 index,
+                request,
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, request.sampling_params),
                 wants_logprobs=params.logprobs is not None,
                 wants_prompt_logprobs=request.sampling_params.prompt_logprobs is not None,
@@ -185,6 +190,35 @@ class OutputProcessor:
                     finals.append(request_output)
         return engine_ids, finals
 
+    def continuations(self, request_id: str) -> list[EngineCoreRequest]:
+        """What to send another engine core for request ``request_id`` whose engine died: each
+        unfinished sequence as first sent, with the tokens already delivered as its
+        ``output_token_ids`` (so the client sees one stream, nothing repeated or missing).
+        Prompt logprobs already delivered are not asked for again; partial ones start over."""
+        pooling = self.pooling_requests.get(request_id)
+        if pooling is not None:
+            return [pooling]
+        parent = self.parent_requests.get(request_id)
+        if parent is None:
+            return []
+        parent.num_migrations += 1
+        requests = []
+        for child_id in self._children[request_id]:
+            state = self.request_states.get(child_id)
+            if state is None:
+                continue
+            request = state.request
+            produced = list(state.detokenizer.token_ids)
+            params = request.sampling_params
+            if parent.prompt_logprobs is not None:
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            elif state.prompt_logprob_rows is not None:
+                state.prompt_logprob_rows = Logprobs([], [], [])
+            requests.append(
+                msgspec.structs.replace(request, sampling_params=params, output_token_ids=produced)
+            )
+        return requests
+
     def process_outputs(
         self, outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> OutputProcessorOutput:
@@ -207,7 +241,8 @@ class OutputProcessor:
                 continue
             new_ids = out.new_token_ids
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if parent.num_migrations == 0:  # a continuation's cache hits count its outputs
+                parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None and state.prompt_logprob_rows is not None:
                 state.prompt_logprob_rows.extend(out.new_prompt_logprobs)
             stop_string = state.detokenizer.update(
@@ -254,7 +289,7 @@ class OutputProcessor:
     ) -> None:
         if out.finish_reason is None:
             return
-        prompt_token_ids = self.pooling_requests.pop(out.request_id)
+        prompt_token_ids = self.pooling_requests.pop(out.request_id).prompt_token_ids
         if out.pooling_output is None:  # refused or aborted by the engine core
             request_errors[out.request_id] = out.finish_detail or str(out.finish_reason)
             return

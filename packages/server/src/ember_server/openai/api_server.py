@@ -2,8 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/classify``,
 ``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
-``/detokenize``, ``/health`` (503 once the engine has failed; with data parallelism, each
-engine core's state, and 503 once none is left), ``/version`` and ``/metrics``.
+``/detokenize``, ``/health`` (503 while no engine core is alive: failed, or restarting; with
+data parallelism, each engine core's state), ``/version`` and ``/metrics``.
 A ``generate`` engine answers the pooling routes too (embeddings of its decoder); a ``pooling``
 engine answers the generation routes with a 400.
 With an API key every route except ``/health``, ``/version`` and ``/metrics`` needs
@@ -29,7 +29,7 @@ from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.metrics import CONTENT_TYPE
 from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
-from ember_server.openai.errors import install_error_handlers
+from ember_server.openai.errors import OpenAIError, install_error_handlers
 from ember_server.openai.json_route import MsgspecJSONRoute
 from ember_server.openai.protocol import ModelCard, ModelList
 from ember_server.openai.protocol_chat import ChatCompletionRequest
@@ -149,7 +149,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        common.check_engine()  # 503 once no engine core is left
+        if not engine.is_healthy():  # none alive: failed, or every one restarting
+            common.check_engine()
+            raise OpenAIError("No engine core is alive; one is restarting.", 503)
         if len(engine.clients) == 1:
             return Response(status_code=200)
         # Data parallel: serving while any engine core lives; say which ones are dead.
