@@ -49,6 +49,7 @@ def test_greedy_matches_transformers_on_dequantized_weights(tiny_model, arch, se
     path = tiny_model(arch)
     llm = LLM(
         str(path),
+        dtype="float32",
         quantization="int8_weight_only",
         kv_cache_memory=4 * 1024**2,
         max_model_len=128,

@@ -101,7 +101,7 @@ def test_a_fresh_engine_process_loads_a_long_prompt_another_served(
         shared = {"type": "redis", "url": url}
     config = transfer_config("kv_both", {"type": "cpu", "max_bytes": 1 << 26}, shared)
     token_ids = prompt(900)
-    first = LLM(str(model), kv_transfer_config=config, kv_cache_memory=KV_MEMORY)
+    first = LLM(str(model), dtype="float32", kv_transfer_config=config, kv_cache_memory=KV_MEMORY)
     tokens, cached = run(first, token_ids)
     assert cached == 0 and metric(first, "ember:kv_connector_loaded_tokens") == 0
     first.engine_core.shutdown()
@@ -117,7 +117,7 @@ def test_tensor_parallel_ranks_each_store_and_load_their_shard(tiny_model, tmp_p
     model = tiny_model("llama")
     config = transfer_config("kv_both", disk(tmp_path / "kv"))
     token_ids = prompt(300, seed=5)
-    plain = LLM(str(model), kv_cache_memory=KV_MEMORY)
+    plain = LLM(str(model), dtype="float32", kv_cache_memory=KV_MEMORY)
     expected, _ = run(plain, token_ids)
     plain.engine_core.shutdown()
     tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -199,9 +199,9 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_mode
     model = str(tiny_model(arch))
     shared = disk(tmp_path / "kv")
     token_ids = prompt(300, seed=1)
-    single = LLM(model, kv_cache_memory=KV_MEMORY)
+    single = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY)
     expected, _ = run(single, token_ids)
-    producer = LLM(model, kv_cache_memory=KV_MEMORY,
+    producer = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                    kv_transfer_config=transfer_config("kv_producer", shared))  # fmt: skip
     [prefill] = producer.generate(
         {"prompt_token_ids": token_ids},
@@ -209,7 +209,7 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_mode
         use_tqdm=False,
     )
     assert prefill.outputs[0].token_ids == expected[:1]
-    consumer = LLM(model, kv_cache_memory=KV_MEMORY,
+    consumer = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                    kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
     tokens, cached = run(consumer, token_ids)
     assert tokens == expected
@@ -228,11 +228,11 @@ def test_a_damaged_entry_is_recomputed_never_used(damage, tiny_model, tmp_path, 
     model = str(tiny_model("qwen2"))
     shared = disk(tmp_path / "kv")
     token_ids = prompt(200, seed=2)
-    producer = LLM(model, kv_cache_memory=KV_MEMORY,
+    producer = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                    kv_transfer_config=transfer_config("kv_producer", shared))  # fmt: skip
     expected, _ = run(producer, token_ids)
     # Damage the prompt's second chunk (entries are named fingerprint-hash; find it by content).
-    consumer = LLM(model, kv_cache_memory=KV_MEMORY,
+    consumer = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                    kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
     store = consumer.engine_core.executor.kv_transfer_store
     hasher = consumer.engine_core.kv_cache_manager.hasher
@@ -260,11 +260,14 @@ def test_redis_killed_mid_run_falls_back_to_recompute(tiny_model, redis_server, 
     model = str(tiny_model("llama"))
     shared = {"type": "redis", "url": url}
     warm = LLM(
-        model, kv_cache_memory=KV_MEMORY, kv_transfer_config=transfer_config("kv_both", shared)
+        model,
+        dtype="float32",
+        kv_cache_memory=KV_MEMORY,
+        kv_transfer_config=transfer_config("kv_both", shared),
     )
     first, second = prompt(200, seed=3), prompt(200, seed=4)
     expected = [run(warm, first)[0], run(warm, second)[0]]
-    engine = LLM(model, kv_cache_memory=KV_MEMORY,
+    engine = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                  kv_transfer_config=transfer_config("kv_both", shared))  # fmt: skip
     assert run(engine, first) == (expected[0], 192)  # from Redis
     process.kill()
@@ -279,9 +282,9 @@ def test_redis_killed_mid_run_falls_back_to_recompute(tiny_model, redis_server, 
 def test_a_disk_tier_over_its_limit_stays_under_it(tiny_model, tmp_path):
     model = str(tiny_model("llama"))
     limit = 300_000
-    engine = LLM(model, kv_cache_memory=KV_MEMORY,
+    engine = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                  kv_transfer_config=transfer_config("kv_both", disk(tmp_path, limit)))  # fmt: skip
-    reference = LLM(model, kv_cache_memory=KV_MEMORY)
+    reference = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY)
     for seed in range(6):
         token_ids = prompt(260, seed=10 + seed)
         assert run(engine, token_ids)[0] == run(reference, token_ids)[0]
@@ -300,7 +303,9 @@ def test_each_layer_reads_the_cache_only_after_its_load_is_written(
     model = str(tiny_model("llama"))
     token_ids = prompt(300, seed=2)
     config = transfer_config("kv_both", disk(tmp_path / "kv"))
-    expected, _ = run(LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config), token_ids)
+    expected, _ = run(
+        LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY, kv_transfer_config=config), token_ids
+    )
 
     events: list[tuple] = []
     layer_of: dict[int, int] = {}
@@ -328,7 +333,7 @@ def test_each_layer_reads_the_cache_only_after_its_load_is_written(
     monkeypatch.setattr(TieredConnectorWorker, "_write_layer", slow_write_layer)
     monkeypatch.setattr(TieredConnectorWorker, "start_load_kv", noting_start_load_kv)
     monkeypatch.setattr(attention.ek, "paged_attention", noting_paged_attention)
-    fresh = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    fresh = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
     num_layers = len(fresh.engine_core.executor.model_runner.kv_caches)
     tokens, cached = run(fresh, token_ids)
     assert tokens == expected and cached == 288
@@ -342,16 +347,16 @@ def test_a_finished_request_saves_its_partial_chunk_then_frees_its_blocks(tiny_m
     model = str(tiny_model("qwen2"))
     config = transfer_config("kv_both", disk(tmp_path / "kv"))
     token_ids = prompt(300, seed=3)
-    first = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    first = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
     kv = first.engine_core.kv_cache_manager
     free_before = kv.num_free_blocks
     tokens, _ = run(first, token_ids)
     assert kv.num_free_blocks == free_before  # held for the save, freed once it was reported
     first.engine_core.shutdown()
-    fresh = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    fresh = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
     again, cached = run(fresh, token_ids)
     assert again == tokens and cached == 288  # 4 chunks and 2 of the partial chunk's 2 blocks
     fresh.engine_core.shutdown()
-    another = LLM(model, kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
+    another = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY, kv_transfer_config=config)
     _, cached = run(another, token_ids + prompt(40, seed=5))
     assert cached == 288  # a longer prompt finds the same partial key

@@ -9,7 +9,7 @@ PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
 
 
 def test_greedy_matches_transformers_on_every_architecture(tiny_model_any):
-    llm = LLM(str(tiny_model_any), kv_cache_memory=4 * 1024**2, max_model_len=128)
+    llm = LLM(str(tiny_model_any), dtype="float32", kv_cache_memory=4 * 1024**2, max_model_len=128)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -46,7 +46,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _llm(path, **kwargs) -> LLM:
-    return LLM(str(path), max_num_batched_tokens=TOKEN_BUDGET, max_model_len=512, **kwargs)
+    return LLM(
+        str(path),
+        dtype="float32",
+        max_num_batched_tokens=TOKEN_BUDGET,
+        max_model_len=512,
+        **kwargs,
+    )
 
 
 def _hf_hidden_states(path, prompts) -> list[torch.Tensor]:
@@ -224,7 +230,7 @@ def test_pooling_survives_preemption(tiny_model, pooling_type):
     block_size = 16
     executor = InProcessExecutor(
         path,
-        max_model_len=512,
+        dtype="float32", max_model_len=512,
         max_num_batched_tokens=192,
         block_size=block_size,
         # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token.

@@ -53,7 +53,13 @@ def test_served_greedy_text_equals_offline_api(served):
         events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
     assert events[-1] == "[DONE]"
     streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-    llm = LLM(demo_model_path(), max_model_len=256, max_num_seqs=8, kv_cache_memory=8 * 1024**2)
+    llm = LLM(
+        demo_model_path(),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        kv_cache_memory=8 * 1024**2,
+    )
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0)
         offline = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -19,7 +19,9 @@ from ember_server.engine.model_config import ModelConfig
 @pytest.fixture
 def wire(tiny_model):
     """(send(kind, obj), receive() -> EngineCoreOutputs, thread) around a running loop."""
-    args = EngineArgs(model=str(tiny_model("llama")), kv_cache_memory=2 * 1024**2, block_size=4)
+    args = EngineArgs(
+        model=str(tiny_model("llama")), dtype="float32", kv_cache_memory=2 * 1024**2, block_size=4
+    )
     core, _ = make_engine_core(args, ModelConfig.from_engine_args(args), served=True)
     context = zmq.Context()
     router, pull = context.socket(zmq.ROUTER), context.socket(zmq.PULL)

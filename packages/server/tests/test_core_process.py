@@ -21,7 +21,11 @@ def model_path(tiny_model):
 def test_killed_engine_fails_in_flight_requests_at_once(model_path):
     async def run():
         args = EngineArgs(
-            model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=512, max_engine_restarts=0
+            model=model_path,
+            dtype="float32",
+            kv_cache_memory=8 * 1024**2,
+            max_model_len=512,
+            max_engine_restarts=0,
         )
         engine = await AsyncLLM.start(args)
         try:
@@ -54,19 +58,21 @@ def test_killed_engine_fails_in_flight_requests_at_once(model_path):
 
 
 def test_engine_that_cannot_start_reports_why(model_path):
-    args = EngineArgs(model=model_path, kv_cache_memory=1)
+    args = EngineArgs(model=model_path, dtype="float32", kv_cache_memory=1)
     with pytest.raises(EngineStartupError, match="kv_cache_memory"):
         asyncio.run(AsyncLLM.start(args))
 
 
 def test_bad_model_folder_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="model"):
-        asyncio.run(AsyncLLM.start(EngineArgs(model=str(tmp_path))))
+        asyncio.run(AsyncLLM.start(EngineArgs(model=str(tmp_path), dtype="float32")))
 
 
 def test_a_refused_request_fails_alone_and_a_failing_loop_reports_its_error(model_path):
     async def run():
-        args = EngineArgs(model=model_path, kv_cache_memory=4 * 1024**2, max_engine_restarts=0)
+        args = EngineArgs(
+            model=model_path, dtype="float32", kv_cache_memory=4 * 1024**2, max_engine_restarts=0
+        )
         engine = await AsyncLLM.start(args)
         try:
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -158,7 +164,9 @@ def test_engine_threads_spin_briefly_at_barriers_unless_the_user_says_otherwise(
         monkeypatch.setenv(*user_setting)
 
     async def engine_environ():
-        args = EngineArgs(model=model_path, kv_cache_memory=8 * 1024**2, max_model_len=64)
+        args = EngineArgs(
+            model=model_path, dtype="float32", kv_cache_memory=8 * 1024**2, max_model_len=64
+        )
         engine = await AsyncLLM.start(args)
         try:
             return _environ(engine.engine_core_pid)

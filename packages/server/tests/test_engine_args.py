@@ -140,6 +140,7 @@ def test_one_settings_object_per_side_both_sides_get_the_shared_settings(tiny_mo
 
     args = EngineArgs(
         model=str(tiny_model("llama")),
+        dtype="float32",
         max_model_len=64,
         max_num_seqs=3,
         block_size=8,
@@ -154,10 +155,12 @@ def test_one_settings_object_per_side_both_sides_get_the_shared_settings(tiny_mo
     assert (worker.max_num_seqs, worker.block_size, worker.max_model_len) == (3, 8, 64)
     assert scheduler.max_num_seqs == 3 and scheduler.max_model_len == 64
     # Left unset, the worker keeps its own (the only) default.
-    unset = make_worker_config(EngineArgs(model=args.model), model_config, None, served=False)
+    unset = make_worker_config(
+        EngineArgs(model=args.model, dtype="float32"), model_config, None, served=False
+    )
     assert unset.gpu_memory_utilization == 0.9
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_worker_config(
-            EngineArgs(model=args.model, gpu_memory_utilization=1.5), model_config, None,
+            EngineArgs(model=args.model, dtype="float32", gpu_memory_utilization=1.5), model_config, None,
             served=False,
         )  # fmt: skip

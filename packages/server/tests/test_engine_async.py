@@ -24,7 +24,9 @@ def model_path(tiny_model):
 
 @pytest.fixture(scope="module")
 def engine(loop, model_path):
-    args = EngineArgs(model=model_path, kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4)
+    args = EngineArgs(
+        model=model_path, dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4
+    )
     engine = loop.run_until_complete(AsyncLLM.start(args))
     yield engine
     loop.run_until_complete(engine.shutdown())
@@ -32,7 +34,9 @@ def engine(loop, model_path):
 
 @pytest.fixture(scope="module")
 def offline(model_path):
-    llm = LLM(model_path, kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4)
+    llm = LLM(
+        model_path, dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4
+    )
     yield llm
     llm.shutdown()
 

@@ -22,6 +22,7 @@ TIMEOUT = 30
 def server(tiny_model):
     args = EngineArgs(
         model=str(tiny_model("llama")),
+        dtype="float32",
         max_model_len=1024,
         max_num_seqs=8,
         kv_cache_memory=2**21,

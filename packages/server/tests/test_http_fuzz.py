@@ -78,7 +78,9 @@ request = st.one_of(
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    args = EngineArgs(model=str(tiny_model("llama")), max_model_len=1024, kv_cache_memory=2**22)
+    args = EngineArgs(
+        model=str(tiny_model("llama")), dtype="float32", max_model_len=1024, kv_cache_memory=2**22
+    )
     with ServerThread(args) as running:
         yield running
 

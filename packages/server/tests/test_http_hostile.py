@@ -25,7 +25,9 @@ TEN_MB = 10 * 1024**2
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    args = EngineArgs(model=str(tiny_model("llama")), max_model_len=1024, kv_cache_memory=2**22)
+    args = EngineArgs(
+        model=str(tiny_model("llama")), dtype="float32", max_model_len=1024, kv_cache_memory=2**22
+    )
     with ServerThread(args, max_body_size=BODY_LIMIT) as running:
         yield running
 
@@ -111,7 +113,9 @@ def test_headers_over_64_kib_get_a_431_and_the_server_answers_on(server):
 
 
 def test_prompt_longer_than_any_context_is_refused_without_tokenizing(tiny_model):
-    args = EngineArgs(model=str(tiny_model("llama")), max_model_len=256, kv_cache_memory=2**21)
+    args = EngineArgs(
+        model=str(tiny_model("llama")), dtype="float32", max_model_len=256, kv_cache_memory=2**21
+    )
     with ServerThread(args, max_body_size=64 * 1024**2) as big_bodies:
         url = big_bodies.base_url
         encoder = big_bodies.engine.input_processor.text_encoder

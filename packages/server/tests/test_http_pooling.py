@@ -25,7 +25,12 @@ TEXTS = ["def main():\n    return 0", "The quick brown fox. " * 20, "x"]
 
 def _args(path, **kwargs) -> EngineArgs:
     return EngineArgs(
-        model=str(path), max_model_len=512, max_num_batched_tokens=64, num_threads=1, **kwargs
+        model=str(path),
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=64,
+        num_threads=1,
+        **kwargs,
     )
 
 
@@ -153,7 +158,7 @@ def test_generation_is_unchanged_with_embedding_traffic_alongside(generate_serve
 
 def test_classify_score_and_rerank_match_offline(tiny_classifier):
     path = tiny_classifier("llama", num_labels=1)
-    offline = LLM(str(path), max_model_len=512, max_num_batched_tokens=64)
+    offline = LLM(str(path), dtype="float32", max_model_len=512, max_num_batched_tokens=64)
     query, documents = "what is json", ["import json", "the lazy dog", "x", "json.dumps"]
     expected = [s.outputs.score for s in offline.score(query, documents, use_tqdm=False)]
     probs = offline.classify(documents, use_tqdm=False)

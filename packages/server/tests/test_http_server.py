@@ -42,6 +42,7 @@ def engine_args(tiny_model, request) -> EngineArgs:
     """The suite runs against one engine core, and (slow) against two behind one server."""
     return EngineArgs(
         model=str(tiny_model("llama")),
+        dtype="float32",
         max_model_len=128,
         max_num_seqs=16,
         kv_cache_memory=2 * 1024**2,

@@ -90,6 +90,7 @@ def server(tiny_model, test_tokenizer_path, tmp_path_factory):
     (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
     args = EngineArgs(
         model=str(tiny_model("llama")),
+        dtype="float32",
         tokenizer=str(tokenizer),
         max_model_len=1024,
         max_num_seqs=64,

@@ -39,6 +39,7 @@ def running(pid: int) -> bool:
 def test_killed_worker_fails_requests_and_leaves_no_process(tiny_model):
     args = EngineArgs(
         model=str(tiny_model("llama")),
+        dtype="float32",
         max_model_len=1024,
         max_num_seqs=8,
         kv_cache_memory=2**21,

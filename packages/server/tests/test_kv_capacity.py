@@ -35,13 +35,15 @@ def _bytes_for(model: str, num_blocks: int) -> int:
 def test_given_max_model_len_over_the_cache_is_refused_with_both_numbers_and_the_fix(model):
     memory = _bytes_for(model, NUM_BLOCKS)
     with pytest.raises(ValueError) as refused:
-        LLM(model, max_model_len=256, kv_cache_memory=memory, block_size=BLOCK_SIZE)
+        LLM(
+            model, dtype="float32", max_model_len=256, kv_cache_memory=memory, block_size=BLOCK_SIZE
+        )
     message = str(refused.value)
     assert "max_model_len 256" in message and "112 tokens" in message
     # 256 tokens are 16 blocks, plus the null block.
     assert f"at least {_bytes_for(model, 17)} bytes" in message and "--kv-cache-memory" in message
     # The same through the engine core process: a start-up failure the CLI reports as bad settings.
-    args = EngineArgs(model=model, max_model_len=256, kv_cache_memory=memory)
+    args = EngineArgs(model=model, dtype="float32", max_model_len=256, kv_cache_memory=memory)
     with pytest.raises(EngineStartupError, match="max_model_len 256") as failed:
         asyncio.run(AsyncLLM.start(args))
     assert failed.value.bad_settings
@@ -50,7 +52,7 @@ def test_given_max_model_len_over_the_cache_is_refused_with_both_numbers_and_the
 def test_the_models_own_context_is_lowered_to_what_fits(model, caplog):
     memory = _bytes_for(model, NUM_BLOCKS)
     with caplog.at_level(logging.WARNING, logger="ember_server.engine.engine_factory"):
-        llm = LLM(model, kv_cache_memory=memory, block_size=BLOCK_SIZE)
+        llm = LLM(model, dtype="float32", kv_cache_memory=memory, block_size=BLOCK_SIZE)
     try:
         assert llm.model_config.max_model_len == CAPACITY
         assert "lowering max_model_len" in caplog.text
@@ -58,7 +60,9 @@ def test_the_models_own_context_is_lowered_to_what_fits(model, caplog):
         llm.shutdown()
 
     async def served_context() -> int:
-        engine = await AsyncLLM.start(EngineArgs(model=model, kv_cache_memory=memory))
+        engine = await AsyncLLM.start(
+            EngineArgs(model=model, dtype="float32", kv_cache_memory=memory)
+        )
         try:
             return engine.model_config.max_model_len
         finally:

@@ -21,7 +21,9 @@ def llama_path(tiny_model):
 
 @pytest.fixture(scope="module")
 def llm(llama_path):
-    engine = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4)
+    engine = LLM(
+        str(llama_path), dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=256, block_size=4
+    )
     yield engine
     engine.shutdown()
 
@@ -189,7 +191,7 @@ def test_progress_bar_over_a_batch(llm, capsys):
 
 
 def test_priorities_under_the_priority_policy(llama_path):
-    llm = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=64, max_num_seqs=1,
+    llm = LLM(str(llama_path), dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=64, max_num_seqs=1,
               scheduling_policy="priority")  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=3)
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False, priority=[2, 0, 1])
@@ -204,7 +206,7 @@ def test_prompt_filling_the_whole_kv_cache_is_refused(llama_path):
     # 64 KiB holds 8 blocks of 16 tokens of this model's KV (2 layers x 2 KV heads x 16 x fp32),
     # one of them the pool's null block: the model's own context is lowered to the 112 tokens
     # that fit (a given larger one is refused, see test_kv_capacity.py).
-    llm = LLM(str(llama_path), kv_cache_memory=64 * 1024)
+    llm = LLM(str(llama_path), dtype="float32", kv_cache_memory=64 * 1024)
     capacity = llm.engine_core.max_num_tokens
     assert capacity == llm.model_config.max_model_len == 112
     with pytest.raises(ValueError, match="maximum context length is 112 tokens"):
@@ -233,7 +235,13 @@ def test_default_threads_are_every_core_for_every_step_whatever_the_load(monkeyp
 def test_offline_engine_takes_the_default_threads(llama_path):
     before = torch.get_num_threads()
     try:
-        engine = LLM(str(llama_path), kv_cache_memory=KV_BYTES, max_model_len=64, block_size=4)
+        engine = LLM(
+            str(llama_path),
+            dtype="float32",
+            kv_cache_memory=KV_BYTES,
+            max_model_len=64,
+            block_size=4,
+        )
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         engine.shutdown()
     finally:

@@ -27,7 +27,7 @@ def _args(model, role, path) -> EngineArgs:
     tier = {"type": "disk", "path": str(path), "max_bytes": 1 << 28}
     config = {"kv_connector": "TieredConnector", "kv_role": role,
               "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [tier]}}  # fmt: skip
-    return EngineArgs(model=model, max_model_len=1024, kv_cache_memory=1 << 22,
+    return EngineArgs(model=model, dtype="float32", max_model_len=1024, kv_cache_memory=1 << 22,
                       kv_transfer_config=config)  # fmt: skip
 
 
@@ -51,7 +51,7 @@ async def _ask(app, body: dict) -> tuple[int, str]:
 
 def test_proxy_serves_single_instance_text_from_the_decode_server(tiny_model, tmp_path):
     model = str(tiny_model("llama"))
-    [expected] = LLM(model, max_model_len=1024, kv_cache_memory=1 << 22).generate(
+    [expected] = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory=1 << 22).generate(
         PROMPT, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False
     )
     num_prompt_tokens = len(expected.prompt_token_ids)

@@ -54,7 +54,7 @@ def test_a_mixed_batch_gives_one_result_per_line_in_order(tiny_model, tmp_path):
     assert "url must be one of" in out[5]["error"]["message"]
     assert "custom_id" in out[4]["error"]["message"]
 
-    llm = LLM(model, max_model_len=512)
+    llm = LLM(model, dtype="float32", max_model_len=512)
     expected = llm.generate("def main():", SamplingParams(max_tokens=8, temperature=0.0))
     assert out[0]["response"]["body"]["choices"][0]["text"] == expected[0].outputs[0].text
     assert out[2]["response"]["body"]["object"] == "chat.completion"

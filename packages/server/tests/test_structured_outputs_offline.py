@@ -15,7 +15,9 @@ MAX_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    engine = LLM(str(tiny_model("llama")), kv_cache_memory=16 * 1024**2, max_model_len=1024)
+    engine = LLM(
+        str(tiny_model("llama")), dtype="float32", kv_cache_memory=16 * 1024**2, max_model_len=1024
+    )
     yield engine
     engine.shutdown()
 
@@ -157,7 +159,9 @@ def test_preempted_constrained_requests_resume_their_grammar(tiny_model):
     from ember_scheduler import EngineCoreRequest
 
     # 11 blocks of 16 tokens: room for one sequence of the longest context, not for the batch.
-    llm = LLM(str(tiny_model("llama")), kv_cache_memory=96 * 1024, max_model_len=176)
+    llm = LLM(
+        str(tiny_model("llama")), dtype="float32", kv_cache_memory=96 * 1024, max_model_len=176
+    )
     try:
         core, tokenizer = llm.engine_core, llm.get_tokenizer()
         for i, schema in enumerate(SCHEMAS):

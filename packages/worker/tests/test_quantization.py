@@ -57,7 +57,7 @@ def test_int8_weights_run_in_the_compiled_stack(tiny_model):
     from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
     from ember_worker.layers.attention import bind_kv_cache
 
-    loaded = load_model(tiny_model("llama"), quantization="int8_weight_only")
+    loaded = load_model(tiny_model("llama"), dtype="float32", quantization="int8_weight_only")
     c = loaded.config
     spec = KVCacheSpec(c.num_hidden_layers, 16, c.num_key_value_heads, c.head_dim, torch.float32)
     bind_kv_cache(loaded.model, allocate_kv_cache(spec, 4, torch.device("cpu")))
@@ -69,6 +69,6 @@ def test_unknown_quantization_is_refused(tiny_model):
     assert check_quantization(None) is None
     assert check_quantization("int8_weight_only") == "int8_weight_only"
     with pytest.raises(ValueError, match="quantization must be None or one of"):
-        load_model(tiny_model("llama"), quantization="int4")
+        load_model(tiny_model("llama"), dtype="float32", quantization="int4")
     with pytest.raises(ValueError, match=r"WorkerConfig\.quantization"):
         check_quantization("fp8", "WorkerConfig.quantization")
