@@ -48,6 +48,16 @@ QWEN_05B_CONFIG: dict[str, Any] = dict(
     initializer_range=0.02,
 )
 
+# The Qwen2.5-1.5B shape, likewise: the next size up, to check a lead holds as weights grow.
+QWEN_15B_CONFIG: dict[str, Any] = dict(
+    QWEN_05B_CONFIG,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+)
+
 # transformers' *ForSequenceClassification exists for these (Mistral's classifier is not one Ember
 # loads); the pad token id (set in every config here) lets HF find each row's last token.
 CLASSIFIER_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -57,6 +67,7 @@ __all__ = [
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
     "QWEN_05B_CONFIG",
+    "QWEN_15B_CONFIG",
     "tiny_classifier_path",
     "tiny_model_path",
     "tokenizer_path",

