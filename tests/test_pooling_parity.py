@@ -230,7 +230,8 @@ def test_pooling_survives_preemption(tiny_model, pooling_type):
     block_size = 16
     executor = InProcessExecutor(
         path,
-        dtype="float32", max_model_len=512,
+        dtype="float32",
+        max_model_len=512,
         max_num_batched_tokens=192,
         block_size=block_size,
         # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token.
