@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from ember_kv_cache import KVConnectorStats
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
@@ -34,10 +35,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None
-    lora_name: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
     # Set for a pooling request: it returns pooled hidden states after its prompt and samples
     # nothing (its sampling_params are ignored).
     pooling_params: PoolingParams | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -123,6 +123,11 @@ class Scheduler:
                 f"request {request.request_id!r} is {request.status.name}, not WAITING"
             )
         self.waiting_for_grammar.check_supported(request)
+        if request.lora_request is not None and self.config.lora is None:
+            raise ValueError(
+                f"request {request.request_id!r} has a lora_request, but LoRA is not enabled "
+                "(enable_lora)"
+            )
         if request.num_prompt_tokens > self.max_num_tokens:
             request.set_status(RequestStatus.FINISHED_IGNORED)
             if request.num_prompt_tokens > self.config.max_model_len:
