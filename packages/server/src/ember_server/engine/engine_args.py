@@ -15,6 +15,8 @@ from ember_scheduler.config import (
     SCHEDULING_POLICIES,
     check_int,
 )
+from ember_scheduler.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoRAConfig
+from ember_server.engine.lora_args import add_lora_cli_args, make_lora_config
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
 from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
@@ -96,6 +98,11 @@ class EngineArgs:
     # Schedule step n+1 while the model runs step n. None: on where it is supported and wins
     # (``use_async_scheduling``).
     async_scheduling: bool | None = None
+    # LoRA adapters (``lora_args``): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -137,6 +144,12 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
             )
+        make_lora_config(self)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter limits the scheduler and workers receive (None: LoRA off)."""
+        return make_lora_config(self)
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -303,6 +316,7 @@ class EngineArgs:
             help="uni: one rank in the engine process; mp: one process per rank on this machine; "
             "ray: Ray actors across a Ray cluster. Default: uni for one rank, else mp.",
         )
+        add_lora_cli_args(group)
         return parser
 
     @classmethod
