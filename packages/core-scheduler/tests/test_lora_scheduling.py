@@ -35,6 +35,12 @@ def test_at_most_max_loras_adapters_run_and_a_waiting_adapter_does_not_block_oth
     assert admitted == ["a", "b", "d", "e"]
     assert {new.lora_request for new in first.scheduled_new_reqs} == {lora(1), lora(2), None}
     assert [r.request_id for r in engine.scheduler.waiting] == ["c"]
+    stats = engine.scheduler.make_stats().lora
+    assert (stats.max_loras, stats.running, stats.waiting) == (
+        2,
+        ["adapter1", "adapter2"],
+        ["adapter3"],
+    )
 
 
 def test_every_step_holds_at_most_max_loras_adapters_and_all_finish():

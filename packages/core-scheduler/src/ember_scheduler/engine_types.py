@@ -98,6 +98,16 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     kv_connector_stats: KVConnectorStats | None = None  # with a KV connector: lookups and tiers
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+    lora: LoRAStats | None = None  # None without LoRA
+
+
+class LoRAStats(msgspec.Struct, array_like=True):
+    """Which adapters the running and the waiting requests use (names, in first-seen order),
+    and the per-step limit: vLLM's ``lora_requests_info``."""
+
+    max_loras: int
+    running: list[str]
+    waiting: list[str]
 
 
 class KVBlocksStored(msgspec.Struct, tag="stored", array_like=True):

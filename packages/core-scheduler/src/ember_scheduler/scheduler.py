@@ -21,6 +21,7 @@ from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    LoRAStats,
     SchedulerStats,
 )
 from ember_scheduler.grammar_waiting import GrammarWaiting
@@ -364,4 +365,11 @@ class Scheduler:
             num_preemptions=self.preemption.take_num_preemptions(),
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
             spec_decoding=self.drafts.take_stats(),
+            lora=None if self.config.lora is None else self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats:
+        def names(requests) -> list[str]:
+            return list(dict.fromkeys(r.lora_name for r in requests if r.lora_name is not None))
+
+        return LoRAStats(self.config.lora.max_loras, names(self.running), names(self.waiting))

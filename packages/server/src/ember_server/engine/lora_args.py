@@ -43,3 +43,23 @@ def add_lora_cli_args(group: argparse._ArgumentGroup) -> None:
         help="Loaded adapters kept in host memory (least recently used dropped); default: "
         "--max-loras.",
     )
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
+    """``ember serve --lora-modules name=path ...``: adapters served by name (a dict)."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, each chosen by its name in the request's "
+        "model field (needs --enable-lora).",
+    )

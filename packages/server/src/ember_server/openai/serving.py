@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.core_client import EngineDeadError
 from ember_server.engine.input_processor import TokenizedPrompt
@@ -34,14 +35,20 @@ class OpenAIServing:
         self.model_name: str = engine.served_model_name
         self.max_model_len: int = engine.model_config.max_model_len
 
-    def check_request(self, request: OpenAIRequest) -> None:
-        """404 for another model's name, 503 when the engine is down; log ignored fields."""
+    def check_request(self, request: OpenAIRequest, adapters: bool = False) -> LoRARequest | None:
+        """404 for another model's name, 503 when the engine is down; log ignored fields.
+        With ``adapters`` (the generation routes) a served LoRA adapter's name is a model too:
+        returns its ``LoRARequest`` (None: the base model)."""
         model = getattr(request, "model", None)
+        lora = None
         if model is not None and model != self.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+            lora = self.input_processor.loras.named(model) if adapters else None
+            if lora is None:
+                raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
         self.check_engine()
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
+        return lora
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -152,13 +159,19 @@ class OpenAIServing:
         priority: int,
         stream: bool,
         structured_field: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt; the engine checks it now, so bad input is a 400 before any output,
         and it is sent at once (see ``StartedStream``). A structured-output spec that does not
         parse is a 400 naming ``structured_field``, the request field it came from."""
         try:
             outputs = self.engine.generate(
-                prompt, params, request_id, priority=priority, stream=stream
+                prompt,
+                params,
+                request_id,
+                priority=priority,
+                stream=stream,
+                lora_request=lora_request,
             )
         except ValueError as exc:
             if structured_field is not None and str(exc).startswith(STRUCTURED_OUTPUTS):

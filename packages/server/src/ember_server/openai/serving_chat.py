@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        self.check_request(request)
+        lora = self.check_request(request, adapters=True)
         if self._parses_calls(request) and self.tool_parser is None:
             raise OpenAIError(
                 'tools with tool_choice "auto" need the server started with --tool-call-parser',
@@ -70,7 +70,13 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request.to_sampling_params, max_tokens)
         request_id = random_id("chatcmpl")
         outputs = self.generate(
-            prompt, params, request_id, request.priority, request.stream, request.structured_field
+            prompt,
+            params,
+            request_id,
+            request.priority,
+            request.stream,
+            request.structured_field,
+            lora_request=lora,
         )
         if request.stream:
             return StreamingResponse(

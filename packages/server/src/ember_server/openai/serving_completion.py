@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Handler of the completions route."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_request(request)
+        lora = self.check_request(request, adapters=True)
         prompts = [await self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
         streams = []
@@ -58,6 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         request.priority,
                         request.stream,
                         request.structured_field,
+                        lora_request=lora,
                     )
                 )
         except Exception:  # a later prompt refused: the ones already sent are withdrawn
