@@ -14,6 +14,7 @@ from small_worker import SMALL_SETTINGS
 from ember_scheduler import EngineCore, SamplingParams, SchedulerConfig
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.lora import LoRAConfig, LoRARequest
+from ember_spec_decode import SpeculativeConfig
 from ember_testing.tiny_lora import (
     ATTENTION,
     fused_lora_path,
@@ -83,18 +84,22 @@ def _expected(base, adapters, name: str, prompt: list[int], cache: dict) -> list
     return out[0, len(prompt) :].tolist()
 
 
-def _run(base, jobs, max_loras=3, max_cpu_loras=4, **settings):
+def _run(base, jobs, max_loras=3, max_cpu_loras=4, speculative_config=None, **settings):
     """Run ``jobs`` [(request id, prompt, LoRARequest or None)] to the end; returns the tokens
-    per request and the number of preemptions seen."""
+    per request and the ids of the requests preempted (or, with ``speculative_config``, that
+    verified drafts)."""
     lora = LoRAConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras)
     settings = {**SMALL_SETTINGS, **settings}
-    executor = InProcessExecutor(base, lora=lora, **settings)
+    executor = InProcessExecutor(base, lora=lora, speculative_config=speculative_config, **settings)
+    spec = speculative_config
     core = EngineCore(
         executor,
         SchedulerConfig(
             max_num_seqs=settings["max_num_seqs"],
             max_num_batched_tokens=settings["max_num_batched_tokens"],
             max_model_len=settings["max_model_len"],
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
             lora=lora,
         ),
     )
@@ -107,7 +112,7 @@ def _run(base, jobs, max_loras=3, max_cpu_loras=4, **settings):
 
     def schedule_and_watch():
         step = schedule()
-        preempted.update(step.preempted_req_ids)
+        preempted.update(step.scheduled_spec_decode_tokens if spec else step.preempted_req_ids)
         return step
 
     core.scheduler.schedule = schedule_and_watch
@@ -154,6 +159,20 @@ def test_adapters_under_chunked_prefill_preemption_and_slot_eviction(base, adapt
     cache: dict = {}
     for (rid, prompt, _), name in zip(jobs, names):
         assert tokens[rid] == _expected(base, adapters, name, prompt, cache), rid
+
+
+def test_adapters_compose_with_ngram_speculative_decoding(base, adapters):
+    """Drafts from the n-gram proposer are verified with each row's adapter: the tokens are
+    the merged model's, and drafts were scheduled."""
+    names = ["all", "base", "qv-rslora"]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 9, 8, 9], [4, 4, 4, 4, 4, 4]]
+    jobs = [(n, p, _request(n, adapters)) for n, p in zip(names, prompts)]
+    ngram = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2)
+    tokens, verified = _run(base, jobs, speculative_config=ngram)
+    cache: dict = {}
+    for name, prompt in zip(names, prompts):
+        assert tokens[name] == _expected(base, adapters, name, prompt, cache), name
+    assert verified
 
 
 def _config(base) -> DecoderConfig:

@@ -59,9 +59,10 @@ class LoRAManager:
             )
             module.lora = delta
             self.deltas[(layer, target)] = delta
-        # The compiled CPU decoder stack runs its own matmuls: the per-layer path adds deltas.
-        if hasattr(model, "model"):
-            model.model.use_cpu_stack = False
+        # The compiled CPU decoder stack runs its own matmuls: a step with adapters takes the
+        # per-layer path (which adds the deltas), a step of the base model alone the stack.
+        self._decoder = getattr(model, "model", None)
+        self._stack_allowed = getattr(self._decoder, "use_cpu_stack", False)
         self.requests: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
@@ -99,7 +100,7 @@ class LoRAManager:
         row's adapter id (0: none) and the row's scheduled-token count."""
         ids, inverse = np.unique(row_lora_ids, return_inverse=True)
         if (ids.size == 1 and ids[0] == 0) or not num_scheduled.any():
-            self.step.mapping = None
+            self._set_mapping(None)
             return
         needed = [int(i) for i in ids if i]
         if len(needed) > self.lora_config.max_loras:
@@ -110,7 +111,12 @@ class LoRAManager:
         slots = np.array([self._slot_for(i, needed) if i else -1 for i in ids.tolist()])
         token_slots = np.repeat(slots[inverse], num_scheduled)
         tensor = torch.from_numpy(token_slots.astype(np.int64)).to(self.device)
-        self.step.mapping = LoRAMapping(tensor, self.lora_config.max_loras)
+        self._set_mapping(LoRAMapping(tensor, self.lora_config.max_loras))
+
+    def _set_mapping(self, mapping: LoRAMapping | None) -> None:
+        self.step.mapping = mapping
+        if self._decoder is not None:
+            self._decoder.use_cpu_stack = self._stack_allowed and mapping is None
 
     def _slot_for(self, lora_int_id: int, needed: list[int]) -> int:
         slot = self.slot_of.get(lora_int_id)
