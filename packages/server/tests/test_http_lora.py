@@ -13,6 +13,7 @@ import torch
 from server_thread import ServerThread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ember_scheduler.lora import LoRAConfig
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.api_server import build_app
 from ember_server.openai.lora_routes import RUNTIME_UPDATING_ENV
@@ -161,3 +162,17 @@ def test_runtime_routes_need_the_opt_in(server, monkeypatch):
     monkeypatch.delenv(RUNTIME_UPDATING_ENV)
     paths = {route.path for route in build_app(server.engine).routes}
     assert "/v1/load_lora_adapter" not in paths and "/v1/models" in paths
+
+
+def test_serve_flags_parse_into_engine_args_and_lora_modules():
+    from ember_server.cli.main import make_parser
+
+    args = make_parser().parse_args(
+        ["serve", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+         "--max-cpu-loras", "5", "--lora-modules", "a=/x", "b=/y/z"]
+    )  # fmt: skip
+    args.model = "m"  # the CLI resolves the positional model (or the demo model) itself
+    assert EngineArgs.from_cli_args(args).lora_config == LoRAConfig(3, 32, 5)
+    assert dict(args.lora_modules) == {"a": "/x", "b": "/y/z"}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "m", "--lora-modules", "no-equals-sign"])
