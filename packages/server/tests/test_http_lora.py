@@ -88,6 +88,7 @@ def _complete(client, model: str, max_tokens: int = MAX_TOKENS) -> str:
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
+    assert reply.model == model
     return reply.choices[0].text
 
 
@@ -103,6 +104,10 @@ def test_models_list_adapters_with_their_parent(client, server, base, adapters):
 def test_the_model_field_chooses_the_adapter(client, server, base, adapters):
     assert _complete(client, "sql") == _expected_text(base, adapters["sql"])
     assert _complete(client, server.engine.served_model_name) == _expected_text(base, None)
+    chat = client.chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    assert {chunk.model for chunk in chat} == {"sql"}
     with pytest.raises(openai.NotFoundError) as info:
         _complete(client, "nope")
     assert info.value.body["type"] == "not_found_error"

@@ -50,6 +50,11 @@ class OpenAIServing:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         return lora
 
+    def response_model(self, request: OpenAIRequest) -> str:
+        """The ``model`` a response names: the request's (the base model or a served adapter,
+        as ``check_request`` accepted), else the base model's served name."""
+        return getattr(request, "model", None) or self.model_name
+
     def check_engine(self) -> None:
         if self.engine.errored:
             raise OpenAIError(f"The engine is not running: {self.engine.dead_error}", 503)

@@ -156,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
             len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)
         )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.response_model(request), choices=choices, usage=usage
         )
 
     async def _stream(
@@ -167,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
         outputs: AsyncIterator[RequestOutput],
     ) -> AsyncIterator[str]:
         events = StreamEvents(
-            ChatCompletionStreamResponse, request_id, int(time.time()), self.model_name
+            ChatCompletionStreamResponse, request_id, int(time.time()), self.response_model(request)
         )
         chunk = events.chunk
         completion_tokens = 0

@@ -131,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.response_model(request), choices=choices, usage=usage
         )
 
     async def _stream(
@@ -142,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[str]:
         events = StreamEvents(
-            CompletionStreamResponse, request_id, int(time.time()), self.model_name
+            CompletionStreamResponse, request_id, int(time.time()), self.response_model(request)
         )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = 0
