@@ -139,3 +139,18 @@ def test_lora_requests_that_cannot_run_are_refused(base, loras, tmp_path):
         )
     with pytest.raises(ValueError, match="lora_request must be one value or one per prompt"):
         llm.generate(["a", "b"], GREEDY, lora_request=[loras[1]], use_tqdm=False)
+
+
+def test_adapters_compose_with_structured_outputs(base, loras):
+    from ember import StructuredOutputsParams
+
+    llm = _llm(base)
+    choices = ["alpha", "beta gamma", "delta"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    outputs = llm.generate(
+        ["pick one:", "another:", "base:"], params, lora_request=[loras[0], loras[1], None],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert all(output.outputs[0].text in choices for output in outputs)
