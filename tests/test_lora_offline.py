@@ -154,3 +154,7 @@ def test_adapters_compose_with_structured_outputs(base, loras):
         use_tqdm=False,
     )  # fmt: skip
     assert all(output.outputs[0].text in choices for output in outputs)
+    replies = llm.chat(
+        [{"role": "user", "content": "hi"}], params, lora_request=loras[0], use_tqdm=False
+    )
+    assert replies[0].outputs[0].text in choices

@@ -84,9 +84,11 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a
-        list of conversations, rendered through the tokenizer's chat template."""
+        list of conversations, rendered through the tokenizer's chat template; ``lora_request``
+        as ``generate``'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[TokenizedPrompt] = [
             self.input_processor.tokenize_chat(
@@ -96,7 +98,8 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self._generate(prompts, sampling_params, use_tqdm, None)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._generate(prompts, sampling_params, use_tqdm, None, loras)
 
     def encode(
         self,
