@@ -67,7 +67,7 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
-def _expected_text(base, adapter) -> str:
+def _expected_text(base, adapter, max_tokens: int = MAX_TOKENS) -> str:
     hf = (
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         if adapter is None
@@ -75,7 +75,7 @@ def _expected_text(base, adapter) -> str:
     )
     hf.generation_config.eos_token_id = None
     out = hf.generate(
-        torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+        torch.tensor([PROMPT]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
     )
     return AutoTokenizer.from_pretrained(base).decode(out[0, len(PROMPT) :])
 
@@ -124,17 +124,20 @@ def test_load_run_unload_with_a_request_in_flight(client, server, base, adapters
     assert "chat" in {card.id for card in client.models.list().data}
     expected = _expected_text(base, adapters["chat"])
     assert _complete(client, "chat") == expected
-    # A request in flight when its adapter is unloaded runs to its end.
+    # A request in flight when its adapter is unloaded runs to its end (a long one: its first
+    # chunk is read before the unload, 100 more tokens follow).
+    long = 100
     stream = client.completions.create(
-        model="chat", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        model="chat", prompt=PROMPT, max_tokens=long, temperature=0.0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = iter(stream)
     text = next(chunks).choices[0].text
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert unloaded.status_code == 200, unloaded.text
+    assert server.engine.num_requests_in_flight == 1  # still running after the unload
     text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-    assert text == expected
+    assert text == _expected_text(base, adapters["chat"], long)
     with pytest.raises(openai.NotFoundError):
         _complete(client, "chat")
     again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
