@@ -8,14 +8,21 @@ and ``lora_expand`` (``y += h B[slot]^T``, into any column range of ``y`` so tha
 fused projection share one shrink). CUDA tensors run the Triton kernels of
 ``ember_kernels.triton_ops.lora``; other tensors the torch path of ``ember_kernels.torch_ops.lora``,
 which groups the rows by slot once per batch (``LoRAMapping``) and runs one matmul per adapter
-present: no loop over rows or requests.
+present (no loop over rows or requests), except that float32 batches of a few rows per adapter
+(decoding) run the compiled row-by-row kernels of ``ember_kernels.cpu_ops`` where they are built:
+there each adapter's matmul would cost more in calls than in arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ember_kernels import cpu_ops
 from ember_kernels.torch_ops import lora as _torch_lora
+
+# Rows per adapter present at or below which the compiled row-by-row kernels beat one matmul per
+# adapter (``benchmarks/bench_lora_kernels.py``).
+COMPILED_MAX_ROWS_PER_ADAPTER = 8
 
 
 class LoRAMapping:
@@ -31,6 +38,7 @@ class LoRAMapping:
         self.slot_indices = slot_indices
         self.num_slots = num_slots
         self._groups: list[tuple[int, torch.Tensor | None]] | None = None
+        self._few_rows_per_adapter: bool | None = None
 
     @property
     def num_rows(self) -> int:
@@ -42,6 +50,19 @@ class LoRAMapping:
         if self._groups is None:
             self._groups = _group_rows(self.slot_indices, self.num_slots)
         return self._groups
+
+    def runs_compiled(self, x: torch.Tensor) -> bool:
+        """Whether the compiled CPU kernels serve this batch: float32 CPU rows, a few per
+        adapter present."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_ops.available():
+            return False
+        if self._few_rows_per_adapter is None:
+            groups = self.groups()
+            rows = sum(self.num_rows if r is None else r.numel() for _, r in groups)
+            self._few_rows_per_adapter = bool(groups) and (
+                rows <= COMPILED_MAX_ROWS_PER_ADAPTER * len(groups)
+            )
+        return self._few_rows_per_adapter
 
 
 def _group_rows(slots: torch.Tensor, num_slots: int) -> list[tuple[int, torch.Tensor | None]]:
@@ -97,6 +118,8 @@ def lora_shrink(
         from ember_kernels.triton_ops import lora as triton_lora
 
         return triton_lora.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
+    if mapping.runs_compiled(x) and lora_a.dtype == torch.float32:
+        return cpu_ops.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
     return _torch_lora.lora_shrink(x, lora_a, mapping.groups(), scale, out)
 
 
@@ -125,4 +148,6 @@ def lora_expand(
         from ember_kernels.triton_ops import lora as triton_lora
 
         return triton_lora.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
+    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == torch.float32 and y.stride(1) == 1:
+        return cpu_ops.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
     return _torch_lora.lora_expand(y, h, lora_b, mapping.groups(), y_offset, h_offset)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from ek_inputs import TOLERANCES, TRITON, fresh_generator
 
-from ember_kernels import lora, torch_ops, triton_ops
+from ember_kernels import cpu_ops, lora, torch_ops, triton_ops
 from ember_kernels.lora import LoRAMapping, lora_expand, lora_shrink
 from ember_kernels.reference import lora_reference
 
@@ -19,13 +19,37 @@ def torch_backend(x, lora_a, lora_b, slots, scale, y):
     return lora_expand(y, h, lora_b, mapping)
 
 
+def segmented_backend(x, lora_a, lora_b, slots, scale, y):
+    groups = LoRAMapping(slots, lora_a.shape[0]).groups()
+    h = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype)
+    torch_ops.lora.lora_shrink(x, lora_a, groups, scale, h)
+    return torch_ops.lora.lora_expand(y, h, lora_b, groups, 0, 0)
+
+
 def triton_backend(x, lora_a, lora_b, slots, scale, y):
     h = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
     h = TRITON.lora.lora_shrink(x, lora_a, slots, scale, h)
     return TRITON.lora.lora_expand(y, h, lora_b, slots, 0, 0)
 
 
-BACKENDS = [pytest.param(torch_backend, id="torch"), pytest.param(triton_backend, id="triton")]
+def compiled_backend(x, lora_a, lora_b, slots, scale, y):
+    if x.dtype != torch.float32:
+        pytest.skip("the compiled LoRA kernels take float32")
+    h = torch.empty(x.shape[0], lora_a.shape[1])
+    cpu_ops.lora_shrink(x, lora_a, slots, scale, h)
+    return cpu_ops.lora_expand(y, h, lora_b, slots, 0, 0)
+
+
+BACKENDS = [
+    pytest.param(torch_backend, id="dispatch"),
+    pytest.param(segmented_backend, id="torch"),
+    pytest.param(triton_backend, id="triton"),
+    pytest.param(
+        compiled_backend,
+        id="compiled",
+        marks=pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here"),
+    ),
+]
 
 
 def stacks(num_slots, rank, k, n, dtype, gen):
@@ -118,3 +142,12 @@ def test_bad_arguments_are_refused():
 def test_modules_are_exported():
     assert lora.lora_shrink is lora_shrink
     assert callable(torch_ops.lora.lora_expand) and callable(triton_ops.lora.lora_expand)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
+def test_few_rows_per_adapter_run_the_compiled_kernels():
+    x = torch.zeros(16, 8)
+    assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x)  # 4 rows per adapter
+    assert not LoRAMapping(torch.zeros(16, dtype=torch.int64), 4).runs_compiled(x)
+    assert not LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.bfloat16())
+    assert not LoRAMapping(torch.full((16,), -1), 4).runs_compiled(x)
