@@ -68,8 +68,11 @@ def _llm(base, **kwargs) -> LLM:
     return LLM(str(base), **{**settings, **kwargs})
 
 
-def test_mixed_adapters_and_base_in_one_batch_match_the_merged_models(base, loras):
-    llm = _llm(base)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_adapters_and_base_in_one_batch_match_the_merged_models(
+    base, loras, async_scheduling
+):
+    llm = _llm(base, async_scheduling=async_scheduling)
     requests = [loras[0], loras[1], None]
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests, use_tqdm=False
