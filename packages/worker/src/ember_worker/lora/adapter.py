@@ -41,6 +41,7 @@ _TENSOR_NAME = re.compile(
 _REFUSED_SETTINGS = {
     "bias": ("none", None),
     "use_dora": (False, None),
+    "lora_bias": (False, None),
     "modules_to_save": (None, []),
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
