@@ -182,3 +182,27 @@ def test_a_hasher_that_differs_from_the_store_keys_is_refused():
     # find what the workers stored.
     with pytest.raises(ValueError, match="prefix_caching_hash_algo 'xxhash64' differs"):
         _engine(_store(), prefix_caching_hash_algo="xxhash64")
+
+
+def test_connector_chunks_are_keyed_by_lora_adapter():
+    """Chunks a producer saved for one adapter are not loaded for another adapter (nor for the
+    base model); the same adapter loads them."""
+    from ember_scheduler.lora import LoRAConfig, LoRARequest
+
+    adapters = [LoRARequest(f"a{i}", i, f"/adapters/{i}") for i in (1, 2)]
+    lora = LoRAConfig(max_loras=2)
+    store = _store()
+    prompt = _prompts(1)["r0"]
+    first, _ = _engine(store, role="kv_producer", lora=lora)
+    first.add_request(make_request("saved", prompt, PARAMS, lora_request=adapters[0]))
+    run_to_completion(first)
+    second, _ = _engine(store, role="kv_consumer", lora=lora)
+    second.add_request(make_request("other", prompt, PARAMS, lora_request=adapters[1]))
+    second.add_request(make_request("base", prompt, PARAMS))
+    results, _ = run_to_completion(second)
+    assert results["other"].num_cached_tokens == 0
+    assert results["base"].num_cached_tokens == 0
+    third, _ = _engine(store, role="kv_consumer", lora=lora)
+    third.add_request(make_request("same", prompt, PARAMS, lora_request=adapters[0]))
+    results, _ = run_to_completion(third)
+    assert results["same"].num_cached_tokens == 28

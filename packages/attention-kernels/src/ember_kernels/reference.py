@@ -122,3 +122,19 @@ def rotary_embedding_reference(
     out[..., first] = x[..., first] * cos - x[..., second] * sin
     out[..., second] = x[..., second] * cos + x[..., first] * sin
     return out
+
+
+def lora_reference(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_indices: torch.Tensor,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The LoRA delta of every row, one row at a time: ``scale * B[slot] A[slot] x`` (zeros for
+    slot ``-1``); ``lora_a [slots, rank, in]``, ``lora_b [slots, out, rank]``."""
+    out = x.new_zeros(x.shape[0], lora_b.shape[1])
+    for row, slot in enumerate(slot_indices.tolist()):
+        if slot >= 0:
+            out[row] = scale * (lora_b[slot] @ (lora_a[slot] @ x[row]))
+    return out

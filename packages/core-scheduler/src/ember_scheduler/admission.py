@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ember_kv_cache import KVCacheManager
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.kv_transfer import KVTransferScheduling
+from ember_scheduler.lora_seats import AdapterSeats
 from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.request_queue import RequestQueue
@@ -41,10 +42,15 @@ class WaitingAdmission:
         returns the token budget left."""
         kv = self.kv_cache_manager
         config = self.config
+        adapters = AdapterSeats.of(config, running)
+        skipped: list[Request] = []
         while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a step in flight: resumed once its token is known
+            if not adapters.has_seat(request):
+                skipped.append(waiting.pop_request())  # waits; the requests behind it go on
+                continue
             req_id = request.request_id
             token_ids = request.all_token_ids
             computed = None
@@ -104,11 +110,15 @@ class WaitingAdmission:
                     num_computed_tokens=num_computed,
                     eos_token_id=request.eos_token_id,
                     pooling_params=request.pooling_params,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled_tokens[req_id] = num_new
             token_budget -= num_new
             request.num_computed_tokens = num_computed + num_new
+            adapters.take(request)
+        for request in reversed(skipped):
+            waiting.prepend_request(request)
         return token_budget
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ember_kv_cache import DEFAULT_HASH_ALGO, HASH_ALGOS
+
+if TYPE_CHECKING:
+    from ember_scheduler.lora import LoRAConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # Defaults of the limits that the scheduler, the worker and the engine arguments all read.
@@ -52,6 +55,8 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     num_speculative_tokens: int = 0
     async_scheduling: bool = False
+    # Set: requests may run with LoRA adapters, at most lora.max_loras distinct ones per step.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

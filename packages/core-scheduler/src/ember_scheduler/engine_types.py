@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from ember_kv_cache import KVConnectorStats
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.outputs import Logprobs
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: str | None = None
-    lora_name: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
     # Set for a pooling request: it returns pooled hidden states after its prompt and samples
     # nothing (its sampling_params are ignored).
     pooling_params: PoolingParams | None = None
@@ -42,6 +43,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # produced. The engine recomputes their KV and goes on from there, as after a preemption, so
     # seeded sampling, penalties, min_tokens, max_tokens and the grammar see the same history.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -97,6 +102,16 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     kv_connector_stats: KVConnectorStats | None = None  # with a KV connector: lookups and tiers
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+    lora: LoRAStats | None = None  # None without LoRA
+
+
+class LoRAStats(msgspec.Struct, array_like=True):
+    """Which adapters the running and the waiting requests use (names, in first-seen order),
+    and the per-step limit: vLLM's ``lora_requests_info``."""
+
+    max_loras: int
+    running: list[str]
+    waiting: list[str]
 
 
 class KVBlocksStored(msgspec.Struct, tag="stored", array_like=True):

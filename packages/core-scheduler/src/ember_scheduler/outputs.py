@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from ember_kv_cache import KVConnectorMetadata, KVConnectorOutput
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     # request's stop_token_ids, until the request has min_tokens outputs.
     eos_token_id: int | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: pool, never sample
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

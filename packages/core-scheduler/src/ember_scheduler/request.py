@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 from ember_kv_cache import BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, FinishReason
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 
@@ -92,6 +93,7 @@ class Request:
         "finish_detail",
         "grammar",
         "lora_name",
+        "lora_request",
         "max_tokens",
         "min_tokens",
         "num_cached_tokens",
@@ -123,7 +125,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
         output_token_ids: Sequence[int] = (),
     ) -> None:
@@ -175,6 +177,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        lora_name = None if lora_request is None else lora_request.lora_name
         self.lora_name = lora_name
         # What besides token ids keys this request's prefix-cache blocks (None: tokens alone).
         self.block_hash_extras = (
@@ -203,7 +207,7 @@ class Request:
             arrival_time=request.arrival_time or None,
             priority=request.priority,
             cache_salt=request.cache_salt,
-            lora_name=request.lora_name,
+            lora_request=request.lora_request,
             pooling_params=request.pooling_params,
             output_token_ids=request.output_token_ids,
         )

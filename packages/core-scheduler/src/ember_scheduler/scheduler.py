@@ -21,6 +21,7 @@ from ember_scheduler.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    LoRAStats,
     SchedulerStats,
 )
 from ember_scheduler.grammar_waiting import GrammarWaiting
@@ -123,6 +124,11 @@ class Scheduler:
                 f"request {request.request_id!r} is {request.status.name}, not WAITING"
             )
         self.waiting_for_grammar.check_supported(request)
+        if request.lora_request is not None and self.config.lora is None:
+            raise ValueError(
+                f"request {request.request_id!r} has a lora_request, but LoRA is not enabled "
+                "(enable_lora)"
+            )
         if request.num_prompt_tokens > self.max_num_tokens:
             request.set_status(RequestStatus.FINISHED_IGNORED)
             if request.num_prompt_tokens > self.config.max_model_len:
@@ -359,4 +365,11 @@ class Scheduler:
             num_preemptions=self.preemption.take_num_preemptions(),
             kv_connector_stats=self.kv_transfer.take_stats() if self.kv_transfer else None,
             spec_decoding=self.drafts.take_stats(),
+            lora=None if self.config.lora is None else self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats:
+        def names(requests) -> list[str]:
+            return list(dict.fromkeys(r.lora_name for r in requests if r.lora_name is not None))
+
+        return LoRAStats(self.config.lora.max_loras, names(self.running), names(self.waiting))

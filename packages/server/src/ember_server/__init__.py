@@ -27,6 +27,7 @@ _EXPORTS = {
     "SamplingParams": "ember_scheduler.sampling_params",
     "PoolingParams": "ember_scheduler.pooling_params",
     "StructuredOutputsParams": "ember_scheduler.structured_outputs",
+    "LoRARequest": "ember_scheduler.lora",
 }
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EngineArgs",
+    "LoRARequest",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ember_scheduler.lora import LoRARequest
     from ember_scheduler.pooling_params import PoolingParams
     from ember_scheduler.sampling_params import SamplingParams
     from ember_scheduler.structured_outputs import StructuredOutputsParams

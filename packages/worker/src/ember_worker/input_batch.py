@@ -49,6 +49,7 @@ ROW_STATE_DTYPE = np.dtype(
         ("has_seed", np.bool_),
         ("seed", np.int64),
         ("num_accepted_drafts", np.int32),  # of the row's last step (draft_slots)
+        ("lora_id", np.int32),  # the LoRA adapter's lora_int_id; 0: the base model
     ],
     align=True,
 )
@@ -185,6 +186,7 @@ class InputBatch:
             params.seed is not None,
             0 if params.seed is None else params.seed,
             0,
+            0 if new_req.lora_request is None else new_req.lora_request.lora_int_id,
         )
         return row
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import ember_kernels as ek
+from ember_scheduler.lora import LoRAConfig
 from ember_scheduler.outputs import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ember_spec_decode import Proposal, SpeculativeConfig
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
@@ -22,6 +23,7 @@ from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.kv_connector import TieredConnectorWorker
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
+from ember_worker.lora.manager import LoRAManager
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
@@ -58,6 +60,7 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         pp: PipelineStage = SINGLE_STAGE,
         step_threads: StepThreads | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model = loaded.model
         self.step_threads = step_threads
@@ -93,6 +96,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._block_indexed_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: TieredConnectorWorker | None = None
+        self.lora_manager = (
+            None
+            if lora_config is None
+            else LoRAManager(self.model, loaded.config, lora_config, loaded.dtype, device)
+        )
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
         """Blocks that ``memory_bytes`` hold, for the target's KV and a draft model's together
@@ -157,6 +165,8 @@ class ModelRunner:
         if self.step_threads is not None:
             self.step_threads.apply(int(num_scheduled.sum()))
         inputs = self.input_buffers.prepare()
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(batch.rows["lora_id"][: batch.num_reqs], num_scheduled)
         metadata = _attention_metadata(inputs, self.kv_connector)
         hidden_states = self._forward(inputs, metadata)
         samples = len(self.pooler.params) < batch.num_reqs
@@ -275,6 +285,8 @@ class ModelRunner:
                 self.grammar_matchers.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             batch.add_request(new_req)
+            if new_req.lora_request is not None:
+                self._lora_manager_for(new_req.req_id).add_request(new_req.lora_request)
             if new_req.pooling_params is not None:
                 self.pooler.add_request(new_req.req_id, new_req.pooling_params)
             if new_req.sampling_params.structured_outputs is not None:
@@ -288,6 +300,11 @@ class ModelRunner:
                 batch.append_block_ids(req_id, new_block_ids)
             batch.set_num_computed_tokens(req_id, num_computed, num_drafts)
         batch.condense()
+
+    def _lora_manager_for(self, req_id: str) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError(f"request {req_id!r} has a lora_request, but LoRA is not enabled")
+        return self.lora_manager
 
     def _add_grammar_matcher(self, new_req: NewRequestData) -> None:
         """A matcher for a constrained request; its grammar ends at its EOS or stop tokens."""

@@ -87,6 +87,30 @@ def int8_linear(
     )
 
 
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """Row-by-row ``ember_kernels.lora.lora_shrink`` (float32; slot indices as a tensor)."""
+    _library().lora_shrink(_rows(x), lora_a.contiguous(), slots.long(), scale, out)
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    y_offset: int,
+    h_offset: int,
+) -> torch.Tensor:
+    """Row-by-row ``ember_kernels.lora.lora_expand`` in place (float32; rows of ``y``
+    contiguous)."""
+    if y.stride(-1) != 1:
+        raise ValueError("y: rows must be contiguous")
+    _library().lora_expand(y, _rows(h), lora_b.contiguous(), slots.long(), y_offset, h_offset)
+    return y
+
+
 def decoder_stack(
     num_heads: int,
     num_kv_heads: int,

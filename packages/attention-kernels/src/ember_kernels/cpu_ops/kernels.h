@@ -31,6 +31,14 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
 
+// Per-row LoRA (float32): out[t] = scale * lora_a[slots[t]] x[t] (zeros for slot -1), and
+// y[t, y_offset:] += lora_b[slots[t]] h[t, h_offset:] (``lora_a [S, R, K]``, ``lora_b [S, N, R]``
+// contiguous; x, h, y, out with contiguous rows; slots int64).
+void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& slots,
+                 double scale, at::Tensor& out);
+void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
+                 const at::Tensor& slots, int64_t y_offset, int64_t h_offset);
+
 void reshape_and_cache(
     const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
     at::Tensor& value_cache, const at::Tensor& slot_mapping);

@@ -1,5 +1,6 @@
 """Triton kernels: the path for CUDA tensors (CPU tensors run them under ``TRITON_INTERPRET=1``)."""
 
+from ember_kernels.triton_ops import lora
 from ember_kernels.triton_ops.activation import silu_and_mul
 from ember_kernels.triton_ops.cache import reshape_and_cache
 from ember_kernels.triton_ops.layernorm import fused_add_rms_norm, rms_norm
@@ -8,6 +9,7 @@ from ember_kernels.triton_ops.rotary import rotary_embedding
 
 __all__ = [
     "fused_add_rms_norm",
+    "lora",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -24,6 +24,7 @@ import traceback
 from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.cli.event_loop import run_event_loop
 from ember_server.engine.engine_args import EngineArgs, parse_bytes
+from ember_server.engine.lora_args import add_lora_modules_arg
 from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember")
@@ -129,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
                 tool_call_parser=args.tool_call_parser,
                 shutdown_timeout=args.shutdown_timeout,
                 max_body_size=args.max_request_body_size,
+                lora_modules=dict(args.lora_modules or ()),
             )
         )
     except _StoppedDuringStartUp as stop:
@@ -259,6 +261,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="Largest request body, e.g. 4MiB; larger ones get a 413 (default: 64 bytes per "
         "token of max-model-len, at least 1MiB).",
     )
+    add_lora_modules_arg(serve)
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import EngineCoreRequest, SchedulerStats
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.admission import AdmissionControl, next_before
@@ -61,6 +62,7 @@ class AsyncLLM:
             tokenizer,
             model_config,
             max_num_kv_tokens=min(client.ready.max_num_kv_tokens for client in clients),
+            lora_config=args.lora_config,
         )
         self.output_processor = OutputProcessor(tokenizer)
         hasher = BlockHasher(ready.block_size, ready.prefix_caching_hash_algo)
@@ -213,6 +215,7 @@ class AsyncLLM:
         stream: bool = True,
         output_kind: RequestOutputKind | None = None,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: deltas when ``stream``, else one final cumulative output
         (``output_kind``, when given, chooses instead: ``CUMULATIVE`` streams everything so far).
@@ -232,7 +235,7 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt = self.input_processor.tokenize(prompt)
         engine_requests = self.input_processor.make_requests(
-            request_id, prompt.token_ids, sampling_params, priority
+            request_id, prompt.token_ids, sampling_params, priority, lora_request=lora_request
         )
         deadline = self.admission.deadline(timeout)
         self.admission.check()

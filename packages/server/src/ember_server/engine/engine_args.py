@@ -16,6 +16,8 @@ from ember_scheduler.config import (
     check_int,
 )
 from ember_server.engine.admission import check_timeout
+from ember_scheduler.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoRAConfig
+from ember_server.engine.lora_args import add_lora_cli_args, make_lora_config
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
 from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
@@ -105,6 +107,11 @@ class EngineArgs:
     request_timeout: float | None = None
     # Restarts of a dead engine core (its requests move on) before the server fails; 0: none.
     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS
+    # LoRA adapters (``lora_args``): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -151,6 +158,12 @@ class EngineArgs:
             raise ValueError(
                 f"EngineArgs.async_scheduling must be a bool or None, got {self.async_scheduling!r}"
             )
+        make_lora_config(self)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter limits the scheduler and workers receive (None: LoRA off)."""
+        return make_lora_config(self)
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -338,6 +351,7 @@ class EngineArgs:
             help="Restarts of a dead engine core within 5 minutes (its requests move to a live "
             "or restarted engine) before the server gives up and exits 1; 0: fail at once.",
         )
+        add_lora_cli_args(group)
         return parser
 
     @classmethod

@@ -119,6 +119,7 @@ def make_worker_config(
         kv_transfer=None if kv_transfer is None else kv_transfer.as_dict(),
         speculative_config=args.speculative_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        lora=args.lora_config,
         **optional,
     )
 
@@ -132,6 +133,7 @@ def make_scheduler_config(args: EngineArgs, model_config: ModelConfig) -> Schedu
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         policy=args.scheduling_policy,
+        lora=args.lora_config,
         num_lookahead_tokens=(
             args.speculative_config.num_lookahead_tokens if args.speculative_config else 0
         ),

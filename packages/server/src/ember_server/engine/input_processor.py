@@ -19,8 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ember_scheduler.engine_types import EngineCoreRequest
+from ember_scheduler.lora import LoRAConfig, LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from ember_server.engine.lora_registry import LoRARegistry
 from ember_server.engine.model_config import ModelConfig
 from ember_server.engine.text_encoding import TextEncoder
 
@@ -56,9 +58,14 @@ class InputProcessor:
     """Validates and tokenizes prompts and builds the engine core's requests."""
 
     def __init__(
-        self, tokenizer, model_config: ModelConfig, max_num_kv_tokens: int | None = None
+        self,
+        tokenizer,
+        model_config: ModelConfig,
+        max_num_kv_tokens: int | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.loras = LoRARegistry(model_config.model, lora_config)
         self.model_config = model_config
         self.max_num_kv_tokens = max_num_kv_tokens  # the longest sequence the KV cache holds
         self.text_encoder = TextEncoder(tokenizer, model_config.max_model_len)
@@ -157,6 +164,7 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """The engine core requests for one prompt: one, or ``n`` children sharing the prompt."""
         if not self.model_config.can_generate:
@@ -172,6 +180,7 @@ class InputProcessor:
         # changed since it was built.
         params = params.clone()
         self._check(request_id, prompt_token_ids, params, priority)
+        lora_request = self.loras.check(lora_request)
         config = self.model_config
         engine_params = params.clone(n=1)
         if config.extra_eos_token_ids and not params.ignore_eos:
@@ -195,6 +204,7 @@ class InputProcessor:
                     eos_token_id=config.eos_token_id,
                     arrival_time=arrival,
                     priority=priority,
+                    lora_request=lora_request,
                 )
             )
         return requests

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.engine_args import EngineArgs
@@ -50,6 +51,7 @@ class LLM:
             self.tokenizer,
             self.model_config,
             max_num_kv_tokens=self.engine_core.max_num_tokens,
+            lora_config=self.engine_args.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_model_name)
@@ -64,12 +66,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings, token-id lists, or dicts with
         ``"prompt"`` or ``"prompt_token_ids"``); ``sampling_params`` is one for all, or one per
-        prompt."""
-        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+        prompt, and so is ``lora_request`` (None: the base model; needs ``enable_lora``)."""
+        prompts = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._generate(prompts, sampling_params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -79,9 +84,11 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or a
-        list of conversations, rendered through the tokenizer's chat template."""
+        list of conversations, rendered through the tokenizer's chat template; ``lora_request``
+        as ``generate``'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[TokenizedPrompt] = [
             self.input_processor.tokenize_chat(
@@ -91,7 +98,8 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self._generate(prompts, sampling_params, use_tqdm, None)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._generate(prompts, sampling_params, use_tqdm, None, loras)
 
     def encode(
         self,
@@ -157,7 +165,9 @@ class LLM:
             lambda prompts, params: self.encode(prompts, params, use_tqdm=use_tqdm),
         )  # fmt: skip
 
-    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _generate(
+        self, prompts, sampling_params, use_tqdm, priority, loras=None
+    ) -> list[RequestOutput]:
         if not prompts:
             raise ValueError("prompts must not be empty")
         params_list = [
@@ -171,7 +181,11 @@ class LLM:
             prompt = self.input_processor.tokenize(prompt)
             request_id = str(next(self._request_counter))
             engine_requests = self.input_processor.make_requests(
-                request_id, prompt.token_ids, params, priorities[i] if priorities else 0
+                request_id,
+                prompt.token_ids,
+                params,
+                priorities[i] if priorities else 0,
+                lora_request=loras[i] if loras else None,
             )
             batch.append((request_id, prompt.text, params, engine_requests))
         order = {}

@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ember_kv_cache import KVConnectorStats
 from ember_scheduler.engine_types import SchedulerStats, SpecDecodingStats
+from ember_server.engine.lora_metrics import LoRAMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class EngineMetrics:
         )
         self._model_name = model_name
         self._kv_connector = _KVConnectorMetrics(r, model_name)
+        self._lora = LoRAMetrics(r, model_name)
 
     def record_scheduler_stats(
         self, stats: SchedulerStats, gauges: SchedulerStats | None = None
@@ -181,6 +183,8 @@ class EngineMetrics:
         self.num_preemptions.inc(stats.num_preemptions)
         if stats.kv_connector_stats is not None:
             self._kv_connector.record(stats.kv_connector_stats)
+        if stats.lora is not None:
+            self._lora.record(stats.lora)
         spec = stats.spec_decoding
         if spec is not None:
             self.spec_decode_num_drafts.inc(spec.num_drafts)

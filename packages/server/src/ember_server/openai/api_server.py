@@ -31,6 +31,11 @@ from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import OpenAIError, install_error_handlers
 from ember_server.openai.json_route import MsgspecJSONRoute
+from ember_server.openai.lora_routes import (
+    adapter_cards,
+    install_lora_routes,
+    register_lora_modules,
+)
 from ember_server.openai.protocol import ModelCard, ModelList
 from ember_server.openai.protocol_chat import ChatCompletionRequest
 from ember_server.openai.protocol_completion import CompletionRequest
@@ -71,10 +76,12 @@ def build_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     max_body_size: int | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``);
     ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto).
 
+    ``lora_modules`` (name -> PEFT folder) are served as models of their own (``lora_routes``).
     Bodies over ``max_body_size`` bytes (default: ``default_body_limit`` of the context length)
     get a 413 as soon as the Content-Length or the bytes received so far exceed it.
     """
@@ -88,6 +95,8 @@ def build_app(
     chat = OpenAIServingChat(engine, tool_call_parser)
     common = OpenAIServing(engine)
     pooling = OpenAIServingPooling(engine)
+    register_lora_modules(engine, lora_modules)
+    install_lora_routes(app, engine, common.model_name)
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -125,7 +134,8 @@ def build_app(
         card = ModelCard(
             id=common.model_name, root=engine.model_config.model, max_model_len=common.max_model_len
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [card, *adapter_cards(engine, common.model_name, common.max_model_len)]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:
@@ -187,6 +197,7 @@ async def run_server(
     tool_call_parser: str | None = None,
     shutdown_timeout: float | None = None,
     max_body_size: int | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> int:
     """Serve on ``listener`` until SIGTERM/SIGINT or the engine's death; the exit status (0
     stopped, 1 engine died). ``engines`` are the engine core processes ``launch_engines``
@@ -220,7 +231,7 @@ async def run_server(
             return 0
         stop.cancel()
         engine = starting.result()
-        app = build_app(engine, api_key, tool_call_parser, max_body_size)
+        app = build_app(engine, api_key, tool_call_parser, max_body_size, lora_modules)
         # Start-up objects (transformers, the tokenizer, FastAPI: ~390k) live as long as the
         # server: frozen, a full collection no longer scans them (such a scan stalls a stream).
         gc.collect()

@@ -94,6 +94,7 @@ class ModelCard(OpenAIResponse):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ember"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

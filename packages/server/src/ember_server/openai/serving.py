@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from ember_scheduler.lora import LoRARequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.admission import EngineOverloadedError, RequestTimeoutError
 from ember_server.engine.core_client import EngineDeadError
@@ -35,14 +36,25 @@ class OpenAIServing:
         self.model_name: str = engine.served_model_name
         self.max_model_len: int = engine.model_config.max_model_len
 
-    def check_request(self, request: OpenAIRequest) -> None:
-        """404 for another model's name, 503 when the engine is down; log ignored fields."""
+    def check_request(self, request: OpenAIRequest, adapters: bool = False) -> LoRARequest | None:
+        """404 for another model's name, 503 when the engine is down; log ignored fields.
+        With ``adapters`` (the generation routes) a served LoRA adapter's name is a model too:
+        returns its ``LoRARequest`` (None: the base model)."""
         model = getattr(request, "model", None)
+        lora = None
         if model is not None and model != self.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+            lora = self.input_processor.loras.named(model) if adapters else None
+            if lora is None:
+                raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
         self.check_engine()
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
+        return lora
+
+    def response_model(self, request: OpenAIRequest) -> str:
+        """The ``model`` a response names: the request's (the base model or a served adapter,
+        as ``check_request`` accepted), else the base model's served name."""
+        return getattr(request, "model", None) or self.model_name
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -154,6 +166,7 @@ class OpenAIServing:
         stream: bool,
         structured_field: str | None = None,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt; the engine checks it now, so bad input is a 400 before any output,
         and it is sent at once (see ``StartedStream``). A structured-output spec that does not
@@ -161,7 +174,13 @@ class OpenAIServing:
         (seconds, the body's) bounds the request's time; a full waiting queue is a 503."""
         try:
             outputs = self.engine.generate(
-                prompt, params, request_id, priority=priority, stream=stream, timeout=timeout
+                prompt,
+                params,
+                request_id,
+                priority=priority,
+                stream=stream,
+                timeout=timeout,
+                lora_request=lora_request,
             )
         except ValueError as exc:
             if structured_field is not None and str(exc).startswith(STRUCTURED_OUTPUTS):

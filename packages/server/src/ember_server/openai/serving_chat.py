@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        self.check_request(request)
+        lora = self.check_request(request, adapters=True)
         if self._parses_calls(request) and self.tool_parser is None:
             raise OpenAIError(
                 'tools with tool_choice "auto" need the server started with --tool-call-parser',
@@ -77,6 +77,7 @@ class OpenAIServingChat(OpenAIServing):
             request.stream,
             request.structured_field,
             timeout=request.timeout,
+            lora_request=lora,
         )
         if request.stream:
             return StreamingResponse(
@@ -156,7 +157,7 @@ class OpenAIServingChat(OpenAIServing):
             len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)
         )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.response_model(request), choices=choices, usage=usage
         )
 
     async def _stream(
@@ -167,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
         outputs: AsyncIterator[RequestOutput],
     ) -> AsyncIterator[str]:
         events = StreamEvents(
-            ChatCompletionStreamResponse, request_id, int(time.time()), self.model_name
+            ChatCompletionStreamResponse, request_id, int(time.time()), self.response_model(request)
         )
         chunk = events.chunk
         completion_tokens = 0

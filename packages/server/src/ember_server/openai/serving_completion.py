@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Handler of the completions route."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_request(request)
+        lora = self.check_request(request, adapters=True)
         prompts = [await self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
         streams = []
@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         request.stream,
                         request.structured_field,
                         timeout=request.timeout,
+                        lora_request=lora,
                     )
                 )
         except Exception:  # a later prompt refused: the ones already sent are withdrawn
@@ -131,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.response_model(request), choices=choices, usage=usage
         )
 
     async def _stream(
@@ -142,7 +143,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[AsyncIterator[RequestOutput]],
     ) -> AsyncIterator[str]:
         events = StreamEvents(
-            CompletionStreamResponse, request_id, int(time.time()), self.model_name
+            CompletionStreamResponse, request_id, int(time.time()), self.response_model(request)
         )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = 0

@@ -29,6 +29,7 @@ from ember_scheduler.config import (
     DEFAULT_MAX_NUM_SEQS,
     check_int,
 )
+from ember_scheduler.lora import LoRAConfig
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
@@ -74,6 +75,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     kv_transfer: dict | None = None
     prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     speculative_config: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # set: requests may run with LoRA adapters
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization, "WorkerConfig.quantization")
@@ -166,6 +168,7 @@ class Worker:
             speculative_config=config.speculative_config,
             pp=groups.pp,
             step_threads=self.step_threads,
+            lora_config=config.lora,
         )
         self.kv_transfer_store: TieredKVStore | None = None
 

@@ -37,6 +37,8 @@ class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the output features split across the group (no gather)."""
 
     weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+    # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
+    lora = None
 
     def __init__(
         self,
@@ -55,7 +57,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty_parameter(self.output_size_per_partition, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
+        return y if self.lora is None else self.lora(x, y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         size = param.shape[0]
@@ -135,6 +138,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features split across the group and the output summed."""
 
     weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+    # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
+    lora = None
 
     def __init__(
         self,
@@ -154,6 +159,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
         out = self.tp.all_reduce(linear(x, self.weight, scales=self.weight_scale))
+        if self.lora is not None:
+            out = self.lora(x, out)
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -1,0 +1,153 @@
+"""Segmented low-rank (LoRA) matmuls for a batch whose rows use different adapters.
+
+Every adapter of a layer sits in one slot of two stacked tensors: ``lora_a [slots, rank, in]``
+and ``lora_b [slots, out, rank]``, zero-padded to the largest rank (padding adds nothing). A
+batch names the slot of each row (``-1``: no adapter), and the low-rank delta runs in two steps,
+as in Punica and S-LoRA: ``lora_shrink`` (``h = scale * x A[slot]^T``, a few columns per row)
+and ``lora_expand`` (``y += h B[slot]^T``, into any column range of ``y`` so that the slices of a
+fused projection share one shrink). CUDA tensors run the Triton kernels of
+``ember_kernels.triton_ops.lora``; other tensors the torch path of ``ember_kernels.torch_ops.lora``,
+which groups the rows by slot once per batch (``LoRAMapping``) and runs one matmul per adapter
+present (no loop over rows or requests), except that float32 batches of a few rows per adapter
+(decoding) run the compiled row-by-row kernels of ``ember_kernels.cpu_ops`` where they are built:
+there each adapter's matmul would cost more in calls than in arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember_kernels import cpu_ops
+from ember_kernels.torch_ops import lora as _torch_lora
+
+# Rows per adapter present at or below which the compiled row-by-row kernels beat one matmul per
+# adapter (``benchmarks/bench_lora_kernels.py``).
+COMPILED_MAX_ROWS_PER_ADAPTER = 8
+
+
+class LoRAMapping:
+    """Which adapter slot each row of a batch uses (``slot_indices [rows]``, ``-1`` for none),
+    with the rows grouped by slot on first use; build it once per batch and pass it to every
+    layer's ``lora_shrink``/``lora_expand``."""
+
+    def __init__(self, slot_indices: torch.Tensor, num_slots: int) -> None:
+        if slot_indices.dim() != 1 or slot_indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError("slot_indices: expected a 1-D int32 or int64 tensor")
+        if num_slots < 1:
+            raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
+        self.slot_indices = slot_indices
+        self.num_slots = num_slots
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = None
+        self._few_rows_per_adapter: bool | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.slot_indices.shape[0]
+
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """``(slot, rows)`` for each slot that some row uses; ``rows`` is None where every row
+        of the batch uses that slot (no gather needed). One host sync, on first use."""
+        if self._groups is None:
+            self._groups = _group_rows(self.slot_indices, self.num_slots)
+        return self._groups
+
+    def runs_compiled(self, x: torch.Tensor) -> bool:
+        """Whether the compiled CPU kernels serve this batch: float32 CPU rows, a few per
+        adapter present."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_ops.available():
+            return False
+        if self._few_rows_per_adapter is None:
+            groups = self.groups()
+            rows = sum(self.num_rows if r is None else r.numel() for _, r in groups)
+            self._few_rows_per_adapter = bool(groups) and (
+                rows <= COMPILED_MAX_ROWS_PER_ADAPTER * len(groups)
+            )
+        return self._few_rows_per_adapter
+
+
+def _group_rows(slots: torch.Tensor, num_slots: int) -> list[tuple[int, torch.Tensor | None]]:
+    if slots.numel() == 0:
+        return []
+    slots = slots.long()
+    if int(slots.min()) < -1 or int(slots.max()) >= num_slots:
+        raise ValueError(f"slot_indices: every slot must be -1 or in [0, {num_slots})")
+    # Rows without an adapter count in bin 0 and sort first; the others follow slot by slot.
+    counts = torch.bincount(slots + 1, minlength=num_slots + 1).tolist()
+    if counts[0] == 0 and max(counts) == slots.numel():
+        return [(counts.index(slots.numel()) - 1, None)]
+    order = torch.argsort(slots, stable=True)
+    groups, start = [], counts[0]
+    for slot, count in enumerate(counts[1:]):
+        if count:
+            groups.append((slot, order[start : start + count]))
+            start += count
+    return groups
+
+
+def _check(x: torch.Tensor, stacked: torch.Tensor, mapping: LoRAMapping, name: str) -> None:
+    if x.dim() != 2 or stacked.dim() != 3:
+        raise ValueError(f"{name}: expected 2-D rows and a 3-D [slots, ., .] stack")
+    if x.shape[0] != mapping.num_rows:
+        raise ValueError(f"{name}: {x.shape[0]} rows but {mapping.num_rows} slot indices")
+    if stacked.shape[0] != mapping.num_slots:
+        raise ValueError(
+            f"{name}: {stacked.shape[0]} slots stacked, the mapping has {mapping.num_slots}"
+        )
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    mapping: LoRAMapping,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[t] = scale * lora_a[slot[t]] @ x[t]`` for ``x [rows, in]``, ``lora_a
+    [slots, rank, in]``; rows without an adapter get zeros. Returns ``out [rows, rank]``."""
+    _check(x, lora_a, mapping, "lora_shrink")
+    if x.shape[1] != lora_a.shape[2]:
+        raise ValueError(
+            f"lora_shrink: x has {x.shape[1]} features, lora_a takes {lora_a.shape[2]}"
+        )
+    shape = (x.shape[0], lora_a.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous tensor of shape {shape}")
+    if x.is_cuda:
+        from ember_kernels.triton_ops import lora as triton_lora
+
+        return triton_lora.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
+    if mapping.runs_compiled(x) and lora_a.dtype == torch.float32:
+        return cpu_ops.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
+    return _torch_lora.lora_shrink(x, lora_a, mapping.groups(), scale, out)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    mapping: LoRAMapping,
+    *,
+    y_offset: int = 0,
+    h_offset: int = 0,
+) -> torch.Tensor:
+    """``y[t, y_offset:y_offset+out] += lora_b[slot[t]] @ h[t, h_offset:h_offset+rank]`` in
+    place for ``lora_b [slots, out, rank]``; rows without an adapter are left alone. Returns
+    ``y``."""
+    _check(h, lora_b, mapping, "lora_expand")
+    n, r = lora_b.shape[1], lora_b.shape[2]
+    if y.dim() != 2 or y.shape[0] != h.shape[0]:
+        raise ValueError("lora_expand: y must be 2-D with one row per row of h")
+    if y_offset < 0 or y_offset + n > y.shape[1] or h_offset < 0 or h_offset + r > h.shape[1]:
+        raise ValueError(
+            f"lora_expand: columns [{y_offset}, {y_offset + n}) of y or [{h_offset}, "
+            f"{h_offset + r}) of h out of range"
+        )
+    if y.is_cuda:
+        from ember_kernels.triton_ops import lora as triton_lora
+
+        return triton_lora.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
+    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == torch.float32 and y.stride(1) == 1:
+        return cpu_ops.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
+    return _torch_lora.lora_expand(y, h, lora_b, mapping.groups(), y_offset, h_offset)
