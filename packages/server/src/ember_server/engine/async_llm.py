@@ -16,7 +16,7 @@ from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.admission import AdmissionControl, next_before
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, launch_engines
-from ember_server.engine.data_parallel import DataParallelRouter
+from ember_server.engine.data_parallel import DataParallelRouter, RouteDecision
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.input_processor import InputProcessor, PromptType
 from ember_server.engine.metrics import EngineMetrics, IterationStats
@@ -291,16 +291,20 @@ class AsyncLLM:
         """Route one front-end request (all its ``n`` children together) and send it; while
         every engine core is restarting, wait for one."""
         await self.recovery.wait_for_engine()
+        decision = self.route(request_id, engine_requests)
+        self.metrics.record_route(decision.engine, decision.reason)
+        await self.clients[decision.engine].add_requests(engine_requests)
+        self.admission.sent(request_id)
+
+    def route(self, request_id: str, engine_requests: list[EngineCoreRequest]) -> RouteDecision:
+        """Choose the engine core for a request's sequences (by their prompt's cached prefix)."""
         first = engine_requests[0]
         extras = None
         if first.cache_salt is not None or first.lora_name is not None:
             extras = BlockHashExtras(lora_name=first.lora_name, cache_salt=first.cache_salt)
-        decision = self.router.route(
+        return self.router.route(
             request_id, first.prompt_token_ids, extras, load=len(engine_requests)
         )
-        self.metrics.record_route(decision.engine, decision.reason)
-        await self.clients[decision.engine].add_requests(engine_requests)
-        self.admission.sent(request_id)
 
     async def _stream_outputs(
         self, request_id, text, sampling_params, engine_requests, kind, deadline

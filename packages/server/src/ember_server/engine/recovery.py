@@ -24,7 +24,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ember_kv_cache import BlockHashExtras
 from ember_scheduler.engine_types import SchedulerStats
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError
 
@@ -169,11 +168,7 @@ class EngineRecovery:
         if not self._any_alive():
             self._parked.append(request_id)
             return
-        first = requests[0]
-        extras = None
-        if first.cache_salt is not None or first.lora_name is not None:
-            extras = BlockHashExtras(lora_name=first.lora_name, cache_salt=first.cache_salt)
-        decision = llm.router.route(request_id, first.prompt_token_ids, extras, len(requests))
+        decision = llm.route(request_id, requests)
         llm.metrics.record_route(decision.engine, "migrated")
         # A send to an engine that has just died leaves the request routed there: that engine's
         # death moves it again.
