@@ -15,8 +15,8 @@ from ember_scheduler.config import (
     SCHEDULING_POLICIES,
     check_int,
 )
-from ember_server.engine.admission import check_timeout
 from ember_scheduler.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoRAConfig
+from ember_server.engine.admission import check_timeout
 from ember_server.engine.lora_args import add_lora_cli_args, make_lora_config
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
