@@ -139,6 +139,8 @@ class BlockPool:
         """Add a reference to each block (prefix-cache hits), taking free ones off the queue."""
         remove = self.free_block_queue.remove
         for block in blocks:
+            if block.is_null:  # a placeholder for KV that left a sliding window
+                continue
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
