@@ -11,6 +11,7 @@ from ember_kv_cache.block_pool import BlockPool
 from ember_kv_cache.computed_blocks import ComputedBlocks
 from ember_kv_cache.events import KVCacheEvent
 from ember_kv_cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashExtras
+from ember_kv_cache.specs import FullAttentionSpec, KVCacheSpec
 from ember_kv_cache.stats import PrefixCacheStats
 
 
@@ -56,6 +57,8 @@ class KVCacheManager:
     ``take_block_copies``, once per step, which also ends the step (a block cached in the step,
     whose KV that step's forward has yet to write, is no copy source before it).
     """
+
+    spec: KVCacheSpec = FullAttentionSpec()  # what its layers keep: every token
 
     def __init__(
         self,
