@@ -136,13 +136,30 @@ class LocalAttentionManager(KVCacheManager):
         )
 
     def allocate_slots(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, **kwargs
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        num_computed_tokens: int = 0,
+        computed: ComputedBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        extras: BlockHashExtras | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         state = self._requests.get(request_id)
-        num_computed = kwargs.get("num_computed_tokens", 0)
-        if state is not None and num_computed >= state.skip_boundary:
-            self._free_skipped(request_id, state, num_computed)
-        return super().allocate_slots(request_id, token_ids, num_new_tokens, **kwargs)
+        if state is not None and num_computed_tokens >= state.skip_boundary:
+            self._free_skipped(request_id, state, num_computed_tokens)
+        return super().allocate_slots(
+            request_id,
+            token_ids,
+            num_new_tokens,
+            num_computed_tokens=num_computed_tokens,
+            computed=computed,
+            num_lookahead_tokens=num_lookahead_tokens,
+            extras=extras,
+            delay_cache_blocks=delay_cache_blocks,
+        )
 
     def blocks_needed(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, **kw):
         """Blocks ``allocate_slots`` would take off the free queue now (None: more than are

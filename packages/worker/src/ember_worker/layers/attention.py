@@ -50,6 +50,7 @@ class PagedAttention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -57,6 +58,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.soft_cap = soft_cap  # tanh soft-capping of the scaled scores (Gemma 2)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layer_index = 0  # this layer's place among the bound caches
 
@@ -87,6 +89,7 @@ class PagedAttention(nn.Module):
             metadata.seq_lens,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
         )
