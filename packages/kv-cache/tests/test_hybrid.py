@@ -10,6 +10,7 @@ from ember_kv_cache import (
     SlidingWindowSpec,
     StateSpec,
     group_layers,
+    group_layers_evenly,
     max_tokens_per_request,
 )
 from ember_kv_cache.spec_managers import longest_hit
@@ -160,3 +161,54 @@ def test_capacity_is_unbounded_once_the_windows_fit():
     assert max_tokens_per_request([FullAttentionSpec()], 11, 16, 64) == 176
     assert max_tokens_per_request([local, StateSpec()], 10, 16, 64) is None
     assert HybridKVCacheManager(12, 16, [local]).max_tokens_per_request(64) is None
+
+
+def test_even_groups_split_the_larger_kind_into_runs_of_the_smaller_ones_size():
+    local, full = SlidingWindowSpec(8), FullAttentionSpec()
+    layers = [local] * 5 + [full] + [local] * 5 + [full]  # Gemma 3's pattern
+    groups = group_layers_evenly(layers)
+    assert [g.layer_ids for g in groups] == [(0, 1), (2, 3), (4, 6), (7, 8), (9, 10), (5, 11)]
+    assert [g.spec for g in groups] == [local] * 5 + [full]
+
+
+def test_interleaved_tables_are_one_row_that_grows_by_appending():
+    mgr = HybridKVCacheManager(
+        32, BLOCK, [SlidingWindowSpec(4), FullAttentionSpec()], interleave_block_ids=True
+    )
+    tokens = list(range(6))
+    first = mgr.allocate_slots("a", tokens, 6)
+    assert len(first) == 4
+    row = list(first)
+    decode(mgr, "a", tokens, 1)  # fits the held blocks: nothing new
+    for _ in range(9):
+        tokens.append(7)
+        row += mgr.allocate_slots("a", tokens, 1, num_computed_tokens=len(tokens) - 1)
+    table = mgr.get_block_ids("a")
+    assert len(table) == 2 * -(-len(tokens) // BLOCK)
+    local, full = mgr.groups[0].get_block_ids("a"), mgr.groups[1].get_block_ids("a")
+    assert table[0::2] == local and table[1::2] == full
+    # The row a worker built by appending holds the same ids, except where the window freed
+    # blocks (the manager's table has the null block there; nothing reads them any more).
+    assert row[1::2] == full
+    assert all(a == b for a, b in zip(row[0::2], local) if b != 0)
+    with pytest.raises(ValueError, match="interleave_block_ids"):
+        HybridKVCacheManager(
+            8, BLOCK, [FullAttentionSpec(), StateSpec()], interleave_block_ids=True
+        )
+
+
+def test_kv_events_name_the_group_of_each_block():
+    from ember_kv_cache import BlockRemoved, BlockStored
+
+    mgr = HybridKVCacheManager(
+        5, BLOCK, [FullAttentionSpec(), SlidingWindowSpec(4)], enable_kv_events=True
+    )
+    assert mgr.allocate_slots("a", list(range(8)), 8) is not None
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    assert sorted(e.group for e in stored) == [0, 0, 1, 1]
+    ids = mgr.get_block_ids("a")
+    assert {e.block_id for e in stored if e.group == 1} == set(ids[1])
+    mgr.free("a")
+    assert mgr.allocate_slots("b", list(range(100, 116)), 8) is not None  # evicts all four
+    removed = [e for e in mgr.take_events() if isinstance(e, BlockRemoved)]
+    assert sorted(e.group for e in removed) == [0, 0, 1, 1]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ember_kv_cache import (
     FullAttentionSpec,
+    HybridKVCacheManager,
     KVCacheManager,
     KVTransferConfig,
     LocalAttentionManager,
-    group_layers,
+    group_layers_evenly,
 )
 from ember_scheduler.config import SchedulerConfig
 
@@ -15,27 +16,34 @@ from ember_scheduler.config import SchedulerConfig
 def make_kv_cache_manager(
     executor, config: SchedulerConfig, kv_transfer_config: KVTransferConfig | None
 ) -> KVCacheManager:
-    """A ``LocalAttentionManager`` where every layer has one sliding window (or local chunk),
-    which frees the blocks that left it; otherwise a ``KVCacheManager`` keeping every token.
-
-    The executor's ``kv_cache_specs`` (one per layer; absent: full attention) decide. A model
-    whose layers mix specs keeps every token in one table for now (its windows still apply
-    inside attention): the worker reads one block table per step.
-    """
+    """By the executor's ``kv_cache_specs`` (one per layer; absent: full attention), grouped
+    as the worker groups them (``group_layers_evenly``): a ``KVCacheManager`` for one group of
+    full attention, a ``LocalAttentionManager`` for one group with a sliding window or local
+    chunk (it frees the blocks that left it), and a ``HybridKVCacheManager`` for several groups
+    (Gemma's local and global layers), its tables interleaved into the one block-table row per
+    request that the worker keeps."""
     specs = getattr(executor, "kv_cache_specs", None) or [FullAttentionSpec()]
-    groups = group_layers(specs)
+    groups = group_layers_evenly(specs)
     settings = dict(
         enable_caching=config.enable_prefix_caching,
         hash_algo=config.prefix_caching_hash_algo,
         enable_kv_events=config.enable_kv_events,
     )
     spec = groups[0].spec
-    if len(groups) == 1 and not isinstance(spec, FullAttentionSpec):
-        if kv_transfer_config is not None:
-            raise ValueError(
-                f"kv_transfer_config: the KV connector serves full-attention models only; this "
-                f"model's layers are all {spec}"
-            )
+    if (len(groups) > 1 or not isinstance(spec, FullAttentionSpec)) and kv_transfer_config:
+        raise ValueError(
+            "kv_transfer_config: the KV connector serves full-attention models only; this "
+            f"model's layers keep {sorted({str(g.spec) for g in groups})}"
+        )
+    if len(groups) > 1:
+        return HybridKVCacheManager(
+            executor.num_kv_blocks,
+            executor.block_size,
+            [group.spec for group in groups],
+            interleave_block_ids=True,
+            **settings,
+        )
+    if not isinstance(spec, FullAttentionSpec):
         return LocalAttentionManager(executor.num_kv_blocks, executor.block_size, spec, **settings)
     return KVCacheManager(
         executor.num_kv_blocks,

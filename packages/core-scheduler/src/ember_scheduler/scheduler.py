@@ -90,7 +90,7 @@ class Scheduler:
         self.num_kv_blocks = kv_cache_manager.num_free_blocks
         # One request alone always fits in this many tokens (any length: window models).
         pool_tokens = max_tokens_per_request(
-            [kv_cache_manager.spec],
+            kv_cache_manager.specs,
             self.num_kv_blocks,
             self.block_size,
             config.max_num_batched_tokens + config.num_lookahead_tokens,

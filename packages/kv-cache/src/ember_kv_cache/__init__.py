@@ -30,6 +30,7 @@ from ember_kv_cache.specs import (
     SlidingWindowSpec,
     StateSpec,
     group_layers,
+    group_layers_evenly,
     max_tokens_per_request,
 )
 from ember_kv_cache.stats import PrefixCacheStats
@@ -78,6 +79,7 @@ __all__ = [
     "TieredConnectorScheduler",
     "TieredKVStore",
     "group_layers",
+    "group_layers_evenly",
     "make_tier",
     "max_tokens_per_request",
 ]

@@ -54,6 +54,11 @@ class HybridKVCacheManager:
     0 hashes as a plain ``KVCacheManager``). A prefix hit is the longest that every group can
     continue from (a local group needs only its window's tail, a state group none: with one, hits
     are off). ``reuse_partial_blocks`` and the KV connector are for full attention alone.
+
+    With ``interleave_block_ids`` (token-block groups only: every group then holds one block per
+    ``block_size`` tokens) the tables come as one list, ``[g0[0], g1[0], ..., g0[1], g1[1], ...]``,
+    for an engine that stores one block-table row per request: group ``g``'s table is the row's
+    entries ``g::len(specs)``, and new ids append to it as for a single group.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class HybridKVCacheManager:
         hash_algo: str = DEFAULT_HASH_ALGO,
         hash_seed: bytes = b"",
         enable_kv_events: bool = False,
+        interleave_block_ids: bool = False,
     ) -> None:
         if not specs:
             raise ValueError("specs must name at least one layer group")
@@ -90,8 +96,12 @@ class HybridKVCacheManager:
                 group = StateManager(num_blocks, block_size, spec, block_pool=self.block_pool)
             else:
                 group = LocalAttentionManager(num_blocks, block_size, spec, **settings)
+            group.kv_group = index
             self.groups.append(group)
         self.hasher: BlockHasher = self.groups[0].hasher if self.enable_caching else None
+        self.interleave_block_ids = interleave_block_ids
+        if interleave_block_ids and any(isinstance(s, StateSpec) for s in specs):
+            raise ValueError("interleave_block_ids needs groups of one block per token block")
         self._stats = PrefixCacheStats()
 
     @property
@@ -193,7 +203,11 @@ class HybridKVCacheManager:
             needed += need
         if needed > self.block_pool.num_free_blocks:
             return None
-        return tuple(
+        # Take every group's hits off the free queue first: one group's new blocks must not
+        # evict a free cached block another group's hit is about to take.
+        held = [b for hit in per_group if hit is not None for b in hit.blocks if not b.is_null]
+        self.block_pool.touch(held)
+        new_ids = tuple(
             group.allocate_slots(
                 request_id,
                 token_ids,
@@ -205,6 +219,8 @@ class HybridKVCacheManager:
             )
             for group, hit in zip(self.groups, per_group)
         )
+        self.block_pool.free_blocks(held)  # each group took its own reference meanwhile
+        return _interleave(new_ids) if self.interleave_block_ids else new_ids
 
     def free(
         self, request_id: str, token_ids: Sequence[int] | None = None, num_computed_tokens: int = 0
@@ -214,8 +230,10 @@ class HybridKVCacheManager:
             group.free(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """A copy of the request's block table in each group."""
-        return tuple(group.get_block_ids(request_id) for group in self.groups)
+        """A copy of the request's block table in each group (interleaved into one list with
+        ``interleave_block_ids``)."""
+        tables = tuple(group.get_block_ids(request_id) for group in self.groups)
+        return _interleave(tables) if self.interleave_block_ids else tables
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         return 0
@@ -233,3 +251,10 @@ class HybridKVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
+
+
+def _interleave(tables: tuple[list[int], ...]) -> list[int]:
+    """Groups' equally long id lists as one: entry ``i`` of group ``g`` at ``i * len + g``."""
+    if not tables[0]:
+        return []
+    return [block_id for entries in zip(*tables, strict=True) for block_id in entries]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
 from collections.abc import Sequence
 
 from ember_kv_cache.block import KVCacheBlock, PartialBlock
 from ember_kv_cache.block_pool import BlockPool
 from ember_kv_cache.computed_blocks import ComputedBlocks
+from ember_kv_cache.counts import bad_counts
 from ember_kv_cache.events import KVCacheEvent
 from ember_kv_cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashExtras
 from ember_kv_cache.specs import FullAttentionSpec, KVCacheSpec
@@ -59,6 +59,12 @@ class KVCacheManager:
     """
 
     spec: KVCacheSpec = FullAttentionSpec()  # what its layers keep: every token
+    kv_group = 0  # its index among a hybrid manager's groups (named by its KV events)
+
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        """The spec of each layer group: one group."""
+        return (self.spec,)
 
     def __init__(
         self,
@@ -186,7 +192,7 @@ class KVCacheManager:
         except TypeError:
             counts_ok = False
         if not counts_ok:
-            raise ValueError(_bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
+            raise ValueError(bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
         state = self._requests.get(request_id)
         if (
             state is not None
@@ -337,7 +343,7 @@ class KVCacheManager:
             hashes.append(block_hash)
             if block.is_null:  # a block that already left a sliding window
                 continue
-            cache_full_block(block, block_hash, parent, tokens, keys)
+            cache_full_block(block, block_hash, parent, tokens, keys, self.kv_group)
             if self.reuse_partial_blocks and block.block_hash == block_hash:
                 # Also findable by its first tokens (a prompt asked again after an answer that
                 # filled the block), once this step's forward has written it.
@@ -432,15 +438,3 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (empty unless ``enable_kv_events``)."""
         return self.block_pool.take_events()
-
-
-def _bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens) -> str:
-    """The message naming the first token count that is not an int >= 0."""
-    for name, value in (
-        ("num_new_tokens", num_new_tokens),
-        ("num_computed_tokens", num_computed_tokens),
-        ("num_lookahead_tokens", num_lookahead_tokens),
-    ):
-        if not isinstance(value, numbers.Integral) or value < 0:
-            return f"{name} must be an int >= 0, got {value!r}"
-    raise AssertionError("every count is an int >= 0")

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 from ember_kv_cache.block import KVCacheBlock
 from ember_kv_cache.computed_blocks import ComputedBlocks
+from ember_kv_cache.counts import bad_counts
 from ember_kv_cache.hashing import BlockHashExtras
-from ember_kv_cache.manager import KVCacheManager, _bad_counts, _RequestBlocks
+from ember_kv_cache.manager import KVCacheManager, _RequestBlocks
 from ember_kv_cache.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec, StateSpec
 
 
@@ -57,7 +58,7 @@ def blocks_needed(
     except TypeError:
         counts_ok = False
     if not counts_ok:
-        raise ValueError(_bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
+        raise ValueError(bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
     return manager._allocate_slots(
         request_id,
         manager._requests.get(request_id),

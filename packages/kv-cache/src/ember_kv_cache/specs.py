@@ -102,6 +102,21 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
     return [KVCacheGroup(spec, tuple(ids)) for spec, ids in groups.items()]
 
 
+def group_layers_evenly(layer_specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
+    """``group_layers`` with groups of one size where it can: each spec's layers split into runs
+    of the smallest group's size. An engine whose layer ``j`` of every group shares one cache
+    tensor (a block id means the same place in each) then spends a block on as many layers as a
+    group has, whichever group holds it: Gemma 3's 5 local layers per global one make 5 local
+    groups beside the global one, not one group five times its size."""
+    groups = group_layers(layer_specs)
+    size = min(len(group.layer_ids) for group in groups)
+    return [
+        KVCacheGroup(group.spec, group.layer_ids[start : start + size])
+        for group in groups
+        for start in range(0, len(group.layer_ids), size)
+    ]
+
+
 def max_tokens_per_request(
     specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int, max_new_tokens: int
 ) -> int | None:
