@@ -12,9 +12,18 @@ import functools
 
 import pytest
 import torch
-from test_parity import bytes_per_block, hf_model, model_path, run
+from test_parity import (
+    NUM_PROMPTS,
+    assert_matches_hf,
+    bytes_per_block,
+    hf_model,
+    model_path,
+    parity_prompts,
+    run,
+)
+from test_parity import greedy as parity_greedy
 
-from ember_kv_cache import LocalAttentionManager
+from ember_kv_cache import HybridKVCacheManager, LocalAttentionManager
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.sampling_params import SamplingParams
@@ -114,3 +123,33 @@ def test_prefix_cache_hits_on_the_window_tail_when_preempted_requests_resume():
     again, totals = run(core, prompts()[:1], greedy(80), prefix="again-")
     assert totals["prefix_cache_hits"] == 64
     assert_equal_to_hf(again, 80, 1)
+
+
+def test_windows_on_some_layers_keep_a_block_table_per_group():
+    """Qwen2 with a window on its second layer only: two KV groups (full, window of 24), each
+    with its own table, one cache tensor shared (a block spans one of the two layers)."""
+    model = (
+        "qwen2",
+        (("max_window_layers", 1), ("sliding_window", 24), ("use_sliding_window", True)),
+    )
+    num_blocks = 40
+    for budget in (512, 20):
+        executor = InProcessExecutor(
+            model_path(model),
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=NUM_PROMPTS,
+            max_num_batched_tokens=budget,
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=num_blocks * bytes_per_block(model) // 2,
+            seed=0,
+        )
+        assert executor.num_kv_blocks == num_blocks
+        config = SchedulerConfig(
+            max_num_seqs=NUM_PROMPTS, max_num_batched_tokens=budget, max_model_len=256
+        )
+        core = EngineCore(executor, config, executor.grammar_compiler)
+        assert isinstance(core.kv_cache_manager, HybridKVCacheManager)
+        outputs, totals = run(core, parity_prompts(), parity_greedy)
+        assert totals["num_preemptions"] > 0
+        assert_matches_hf(model, outputs)

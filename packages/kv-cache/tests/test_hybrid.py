@@ -160,6 +160,9 @@ def test_capacity_is_unbounded_once_the_windows_fit():
     assert max_tokens_per_request([local], 8, 16, 64) == 128
     assert max_tokens_per_request([FullAttentionSpec()], 11, 16, 64) == 176
     assert max_tokens_per_request([local, StateSpec()], 10, 16, 64) is None
+    # Full attention beside a window: k blocks of full attention plus at most 9 of the window.
+    assert max_tokens_per_request([FullAttentionSpec(), local], 40, 16, 64) == 31 * 16
+    assert max_tokens_per_request([FullAttentionSpec(), local], 12, 16, 64) == 6 * 16
     assert HybridKVCacheManager(12, 16, [local]).max_tokens_per_request(64) is None
 
 

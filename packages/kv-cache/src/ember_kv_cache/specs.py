@@ -122,9 +122,23 @@ def max_tokens_per_request(
 ) -> int | None:
     """The longest request a pool of ``num_blocks`` usable blocks can always serve alone when a
     step adds at most ``max_new_tokens`` tokens: None (any length) when every group's need per
-    step is bounded and they fit together, else the pool's tokens, as for full attention (a
-    request never holds more than one block per token in each group)."""
+    step is bounded and they fit together; else the most whole blocks of tokens ``k`` for which
+    ``k`` blocks in each unbounded group plus ``min(k, need)`` in each bounded one fit (a group
+    never holds more than one block per block of tokens)."""
     needs = [spec.max_blocks_per_step(block_size, max_new_tokens) for spec in specs]
-    if all(need is not None for need in needs) and sum(needs) <= num_blocks:
+    bounded = [need for need in needs if need is not None]
+    if len(bounded) == len(needs) and sum(bounded) <= num_blocks:
         return None
-    return num_blocks * block_size // len(specs)
+    unbounded = len(needs) - len(bounded)
+
+    def blocks_for(k: int) -> int:
+        return unbounded * k + sum(min(k, need) for need in bounded)
+
+    low, high = 0, num_blocks  # blocks_for(k) >= k: no k above num_blocks fits
+    while low < high:
+        middle = (low + high + 1) // 2
+        if blocks_for(middle) <= num_blocks:
+            low = middle
+        else:
+            high = middle - 1
+    return low * block_size
