@@ -59,9 +59,16 @@ def blocks_needed(
         counts_ok = False
     if not counts_ok:
         raise ValueError(bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
+    state = manager._requests.get(request_id)
+    if (
+        state is not None
+        and computed is None
+        and num_computed_tokens + num_new_tokens + num_lookahead_tokens <= state.capacity
+    ):
+        return 0  # the common path of a running request: its blocks have room
     return manager._allocate_slots(
         request_id,
-        manager._requests.get(request_id),
+        state,
         token_ids,
         num_new_tokens,
         num_computed_tokens,
