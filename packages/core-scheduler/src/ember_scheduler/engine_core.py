@@ -229,8 +229,8 @@ class EngineCore:
                 events.append(KVCacheCleared())
                 continue
             kind = KVBlocksStored if isinstance(event, BlockStored) else KVBlocksRemoved
-            if not events or type(events[-1]) is not kind:
-                events.append(kind([]))
+            if not events or type(events[-1]) is not kind or events[-1].group != event.group:
+                events.append(kind([], event.group))
             events[-1].block_hashes.append(event.block_hash)
         outputs.kv_events = events
         return outputs
