@@ -22,11 +22,13 @@ from test_parity import (
     run,
 )
 from test_parity import greedy as parity_greedy
+from test_parity import make_engine as make_parity_engine
 
-from ember_kv_cache import HybridKVCacheManager, LocalAttentionManager
+from ember_kv_cache import HybridKVCacheManager, LocalAttentionManager, SlidingWindowSpec
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.sampling_params import SamplingParams
+from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor import InProcessExecutor
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -153,3 +155,22 @@ def test_windows_on_some_layers_keep_a_block_table_per_group():
         outputs, totals = run(core, parity_prompts(), parity_greedy)
         assert totals["num_preemptions"] > 0
         assert_matches_hf(model, outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_window_with_ngram_drafts_in_flight(async_scheduling):
+    """Drafts scheduled as if accepted, then rejected, roll a request back: its window still
+    holds what the rolled-back queries read (the manager keeps the drafts' worth more)."""
+    model = ("mistral", (("sliding_window", 24),))
+    core = make_parity_engine(
+        model,
+        num_blocks=40,
+        max_num_batched_tokens=64,
+        speculative_config=SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3),
+        async_scheduling=async_scheduling,
+    )
+    assert isinstance(core.kv_cache_manager, LocalAttentionManager)
+    assert core.kv_cache_manager.spec == SlidingWindowSpec(28)
+    outputs, totals = run(core, parity_prompts(), parity_greedy)
+    assert totals["num_draft_tokens"] > totals["num_accepted_tokens"] > 0
+    assert_matches_hf(model, outputs)

@@ -8,6 +8,7 @@ from ember_kv_cache import (
     KVCacheManager,
     KVTransferConfig,
     LocalAttentionManager,
+    SlidingWindowSpec,
     group_layers_evenly,
 )
 from ember_scheduler.config import SchedulerConfig
@@ -23,6 +24,11 @@ def make_kv_cache_manager(
     (Gemma's local and global layers), its tables interleaved into the one block-table row per
     request that the worker keeps."""
     specs = getattr(executor, "kv_cache_specs", None) or [FullAttentionSpec()]
+    drafts = config.num_speculative_tokens
+    if drafts:
+        # With async scheduling a step is scheduled as if the drafts in flight were accepted; a
+        # window that keeps that many more tokens still holds what a rollback's queries read.
+        specs = [_widened(spec, drafts) for spec in specs]
     groups = group_layers_evenly(specs)
     settings = dict(
         enable_caching=config.enable_prefix_caching,
@@ -52,3 +58,10 @@ def make_kv_cache_manager(
         reuse_partial_blocks=kv_transfer_config is None,
         **settings,
     )
+
+
+def _widened(spec, num_tokens: int):
+    """``spec`` keeping ``num_tokens`` more of a request's latest tokens (a window only)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowSpec(spec.window + num_tokens)
+    return spec
