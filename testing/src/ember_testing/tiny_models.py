@@ -87,7 +87,7 @@ def tiny_model_path(
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into several safetensors files.
     """
     if arch not in ARCH_CONFIGS:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+        raise ValueError(f"arch must be one of {tuple(ARCH_CONFIGS)}, got {arch!r}")
     return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
 
 
