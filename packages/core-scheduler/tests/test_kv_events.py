@@ -5,6 +5,7 @@ import random
 import msgspec
 from fake_executor import FakeExecutor, make_request
 
+from ember_kv_cache import FullAttentionSpec, HybridKVCacheManager, SlidingWindowSpec
 from ember_scheduler import EngineCore, SamplingParams, SchedulerConfig
 from ember_scheduler.engine_types import (
     EngineCoreOutputs,
@@ -56,3 +57,26 @@ def test_no_events_unless_enabled():
     engine.add_request(make_request("r", list(range(1, 30)), SamplingParams(max_tokens=4)))
     while engine.has_unfinished_requests():
         assert engine.step().kv_events == []
+
+
+def test_events_of_each_layer_group_travel_apart():
+    """A hybrid model's groups hash under seeds of their own: each event names its group."""
+    specs = [FullAttentionSpec(), SlidingWindowSpec(4)]
+    manager = HybridKVCacheManager(9, 4, specs, enable_kv_events=True)
+    engine = EngineCore(FakeExecutor(24, 4), SchedulerConfig(max_model_len=128))
+    engine.kv_cache_manager = manager  # the engine core turns the manager's events into its own
+    first, second = list(range(8)), list(range(50, 66))
+    manager.allocate_slots("a", first, 8)
+    manager.free("a")
+    manager.allocate_slots("b", second, 16)  # 8 blocks: evicts the four cached ones
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(engine.step()), type=EngineCoreOutputs)
+    stored = {0: [], 1: []}
+    removed = {0: [], 1: []}
+    for event in wire.kv_events:
+        (stored if isinstance(event, KVBlocksStored) else removed)[event.group] += (
+            event.block_hashes
+        )
+    for group in (0, 1):
+        hasher = manager.groups[group].hasher
+        assert sorted(removed[group]) == sorted(hasher.hash_prefix(first))
+        assert stored[group] == hasher.hash_prefix(first) + hasher.hash_prefix(second)

@@ -22,3 +22,13 @@ def test_tiered_numpy_store_example_shares_chunks_between_engines():
     )
     assert "engine A computed 300 of 300 tokens" in result.stdout
     assert "engine B computed 44 of 300 tokens, loaded 4 chunks" in result.stdout
+
+
+def test_hybrid_numpy_store_example_keeps_the_window_group_flat():
+    example = EXAMPLE.with_name("hybrid_numpy_store.py")
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "80 tokens: window group holds 4 blocks, global 20" in result.stdout
+    assert "20 tokens: window group holds 4 blocks, global 5" in result.stdout
+    assert "all blocks free again: True" in result.stdout

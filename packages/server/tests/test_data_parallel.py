@@ -15,7 +15,7 @@ from server_thread import ServerThread
 from ember_kv_cache import BlockHasher, BlockHashExtras
 from ember_scheduler.engine_types import KVBlocksRemoved, KVBlocksStored, KVCacheCleared
 from ember_scheduler.sampling_params import SamplingParams
-from ember_server.engine.data_parallel import DataParallelRouter
+from ember_server.engine.data_parallel import DataParallelRouter, EnginePrefixIndex
 from ember_server.engine.engine_args import EngineArgs
 
 BLOCK = 4
@@ -250,3 +250,12 @@ def test_a_killed_engine_that_may_not_restart_hands_its_requests_to_the_other(ti
         os.kill(server.engine.clients[0].pid, signal.SIGKILL)
         server.wait_for_metric("ember:engine_core_alive", lambda v: v == 0)
         assert httpx.get(f"{server.base_url}/health", timeout=TIMEOUT).status_code == 503
+
+
+def test_the_prefix_index_mirrors_layer_group_0_only():
+    """Prompts are hashed as a hybrid engine's group 0 hashes; other groups' hashes differ."""
+    index = EnginePrefixIndex()
+    index.apply([KVBlocksStored([b"a", b"b"]), KVBlocksStored([b"x"], group=1)])
+    assert index.block_hashes == {b"a", b"b"}
+    index.apply([KVBlocksRemoved([b"a"], group=1), KVBlocksRemoved([b"b"])])
+    assert index.block_hashes == {b"a"}

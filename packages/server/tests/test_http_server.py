@@ -36,18 +36,26 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 @pytest.fixture(
-    scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"]
+    scope="module",
+    params=[
+        ("llama", 1),
+        pytest.param(("llama", 2), marks=pytest.mark.slow),
+        pytest.param(("gemma3_text", 1), marks=pytest.mark.slow),
+    ],
+    ids=["dp1", "dp2", "gemma3"],
 )
 def engine_args(tiny_model, request) -> EngineArgs:
-    """The suite runs against one engine core, and (slow) against two behind one server."""
+    """The suite runs against one engine core, and (slow) against two behind one server, and
+    against a model with sliding-window and global layers (one KV block table each)."""
+    arch, data_parallel_size = request.param
     return EngineArgs(
-        model=str(tiny_model("llama")),
+        model=str(tiny_model(arch)),
         dtype="float32",
         max_model_len=128,
         max_num_seqs=16,
         kv_cache_memory=2 * 1024**2,
         served_model_name=MODEL_NAME,
-        data_parallel_size=request.param,
+        data_parallel_size=data_parallel_size,
     )
 
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 from transformers import AutoConfig
 
+from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.async_llm import AsyncLLM
 from ember_server.engine.core_client import EngineStartupError
 from ember_server.engine.engine_args import EngineArgs
@@ -69,3 +70,23 @@ def test_the_models_own_context_is_lowered_to_what_fits(model, caplog):
             await engine.shutdown()
 
     assert asyncio.run(served_context()) == CAPACITY
+
+
+def test_a_window_model_takes_a_context_beyond_its_cache(tiny_model):
+    """Mistral with a window of 16: a request holds its window's blocks, not its context's, so
+    112 tokens of cache serve max_model_len 1024 (steps of at most 32 new tokens need 4 blocks)."""
+    model = str(tiny_model("mistral", sliding_window=16))
+    llm = LLM(
+        model,
+        max_model_len=1024,
+        kv_cache_memory=_bytes_for(model, NUM_BLOCKS),
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=32,
+        dtype="float32",
+    )
+    try:
+        assert llm.model_config.max_model_len == 1024
+        out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=300, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 300  # a context past the 112 tokens
+    finally:
+        llm.shutdown()

@@ -32,9 +32,16 @@ ARCHITECTURES = {
     "mistral": ["MistralForCausalLM"],
     "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
     "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
+    "gemma2": ["Gemma2ForCausalLM"],
+    "gemma3_text": ["Gemma3ForCausalLM"],
 }
 # Fields a transformers class types as a plain int: it refuses the config when they are null.
-NULL_REFUSED = {"mistral": ("num_key_value_heads",), "qwen3": ("head_dim",)}
+NULL_REFUSED = {
+    "mistral": ("num_key_value_heads",),
+    "qwen3": ("head_dim",),
+    "gemma2": ("num_key_value_heads", "head_dim"),
+    "gemma3_text": ("num_key_value_heads", "head_dim"),
+}
 ABSENT = object()
 ROPES = [
     {},

@@ -455,3 +455,33 @@ def test_bad_input_is_rejected_without_changing_state():
     assert (batch.rows == before[0]).all()
     assert (batch.token_ids_cpu == before[1]).all()
     assert batch.req_id_to_index == before[2]
+
+
+def test_interleaved_kv_groups_give_each_group_its_slots_and_table():
+    """Two KV groups share a row: group g's block of token block i at entry i * 2 + g."""
+    batch = InputBatch(4, 32, 64, BLOCK, VOCAB, num_kv_groups=2)
+    assert batch.max_blocks_per_req == 2 * 8
+    # 6 tokens: token blocks 0 and 1; group 0 holds 10, 11 and group 1 holds 20, 21.
+    batch.add_request(new_req("a", range(1, 7), blocks=[10, 20, 11, 21]))
+    batch.add_request(new_req("b", range(1, 4), blocks=[30, 40]))
+    inputs = prepare(batch, np.array([6, 3], dtype=np.int32))
+    positions = np.array([0, 1, 2, 3, 4, 5, 0, 1, 2])
+    (slots0, table0), (slots1, table1) = inputs.group_tables
+    blocks0 = np.array([10] * 4 + [11] * 2 + [30] * 3)
+    blocks1 = np.array([20] * 4 + [21] * 2 + [40] * 3)
+    assert slots0.tolist() == (blocks0 * BLOCK + positions % BLOCK).tolist()
+    assert slots1.tolist() == (blocks1 * BLOCK + positions % BLOCK).tolist()
+    assert inputs.slot_mapping.tolist() == slots0.tolist()
+    assert table0[:, :2].tolist() == [[10, 11], [30, 0]]
+    assert table1[:, :2].tolist() == [[20, 21], [40, 0]]
+    # A row of 2 entries holds one token block of each group: 4 tokens, not 6.
+    short = InputBatch(4, 32, 64, BLOCK, VOCAB, num_kv_groups=2)
+    short.add_request(new_req("c", range(1, 11), blocks=[50, 60]))
+    with pytest.raises(ValueError, match="2 blocks cannot hold 6 tokens"):
+        short.set_num_scheduled_tokens(np.array([6], dtype=np.int32))
+    short.append_block_ids("c", [51, 61])
+    (_, table0), (_, table1) = prepare(short, np.array([6], dtype=np.int32)).group_tables
+    assert table0[0, :2].tolist() == [50, 51] and table1[0, :2].tolist() == [60, 61]
+    single = make_batch()
+    single.add_request(new_req("d", [1, 2]))
+    assert prepare(single, np.array([2], dtype=np.int32)).group_tables is None

@@ -21,7 +21,21 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
     "qwen2": dict(_TIED, use_sliding_window=False),  # qkv bias is built in
     "qwen3": dict(_TIED, head_dim=32),  # q/k norm is built in
-}
+    # Interleaved local / global layers (window 16: one block of 16); Gemma 2 soft-caps scores
+    # and logits, Gemma 3 has q/k norm and a local RoPE base of its own.
+    "gemma2": dict(
+        tie_word_embeddings=False, initializer_range=0.2, head_dim=16, sliding_window=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, final_logit_softcapping=4.0, num_hidden_layers=4,
+    ),
+    "gemma3_text": dict(
+        tie_word_embeddings=False, initializer_range=0.2, head_dim=16, sliding_window=16,
+        query_pre_attn_scalar=24, num_hidden_layers=4,
+        sliding_window_pattern=2, rope_local_base_freq=500.0,
+    ),
+}  # fmt: skip
+# Models whose layers keep different things in the KV cache (sliding and global layers).
+HYBRID_ARCHITECTURES = ("gemma2", "gemma3_text")
 
 # The benchmarks' Llama of about 30M parameters (with ``tiny_model_path("llama", ...)``): 9 layers of
 # hidden 512, 8 query / 4 KV heads of 64, MLP 1536; large enough that a step's compute, not the
@@ -66,6 +80,7 @@ __all__ = [
     "ARCHITECTURES",
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
+    "HYBRID_ARCHITECTURES",
     "QWEN_05B_CONFIG",
     "QWEN_15B_CONFIG",
     "tiny_classifier_path",
@@ -83,7 +98,7 @@ def tiny_model_path(
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into several safetensors files.
     """
     if arch not in ARCH_CONFIGS:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+        raise ValueError(f"arch must be one of {tuple(ARCH_CONFIGS)}, got {arch!r}")
     return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
 
 

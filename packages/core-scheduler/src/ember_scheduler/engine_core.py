@@ -10,7 +10,6 @@ from typing import Protocol
 from ember_kv_cache import (
     AllBlocksCleared,
     BlockStored,
-    KVCacheManager,
     KVTransferConfig,
     TieredConnectorScheduler,
     TieredKVStore,
@@ -24,6 +23,7 @@ from ember_scheduler.engine_types import (
     KVCacheCleared,
     KVEvent,
 )
+from ember_scheduler.kv_manager import make_kv_cache_manager
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_scheduler.request import Request, RequestStatus
 from ember_scheduler.scheduler import Scheduler
@@ -57,6 +57,9 @@ class Executor(Protocol):
     def vocab_size(self) -> int:
         """Token ids the model takes: a prompt holding others is refused when admitted."""
         ...
+
+    # Optional: ``kv_cache_specs``, one ``ember_kv_cache`` spec per layer (absent: every layer
+    # full attention), from which the engine core picks its KV cache manager.
 
     @property
     def kv_transfer_store(self) -> TieredKVStore | None:
@@ -113,15 +116,7 @@ class EngineCore:
     ) -> None:
         self.executor = executor
         config = scheduler_config if scheduler_config is not None else SchedulerConfig()
-        self.kv_cache_manager = KVCacheManager(
-            executor.num_kv_blocks,
-            executor.block_size,
-            enable_caching=config.enable_prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo,
-            enable_kv_events=config.enable_kv_events,
-            # A connector's chunks start at block boundaries: with one, hits stay whole blocks.
-            reuse_partial_blocks=kv_transfer_config is None,
-        )
+        self.kv_cache_manager = make_kv_cache_manager(executor, config, kv_transfer_config)
         connector = None
         if kv_transfer_config is not None:
             store = executor.kv_transfer_store
@@ -234,8 +229,8 @@ class EngineCore:
                 events.append(KVCacheCleared())
                 continue
             kind = KVBlocksStored if isinstance(event, BlockStored) else KVBlocksRemoved
-            if not events or type(events[-1]) is not kind:
-                events.append(kind([]))
+            if not events or type(events[-1]) is not kind or events[-1].group != event.group:
+                events.append(kind([], event.group))
             events[-1].block_hashes.append(event.block_hash)
         outputs.kv_events = events
         return outputs

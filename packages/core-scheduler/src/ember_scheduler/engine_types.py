@@ -115,15 +115,18 @@ class LoRAStats(msgspec.Struct, array_like=True):
 
 
 class KVBlocksStored(msgspec.Struct, tag="stored", array_like=True):
-    """Blocks that entered the engine's prefix cache, by their chained block hashes."""
+    """Blocks that entered the engine's prefix cache, by their chained block hashes, in one
+    layer group (0 unless the model's layers keep different KV: ``ember_kv_cache`` groups)."""
 
     block_hashes: list[bytes]
+    group: int = 0
 
 
 class KVBlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
-    """Cached blocks the engine evicted, by their chained block hashes."""
+    """Cached blocks the engine evicted, by their chained block hashes, in one layer group."""
 
     block_hashes: list[bytes]
+    group: int = 0
 
 
 class KVCacheCleared(msgspec.Struct, tag="cleared", array_like=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from ember_kv_cache import KVCacheManager, TieredConnectorScheduler
+from ember_kv_cache import KVCacheManager, TieredConnectorScheduler, max_tokens_per_request
 from ember_scheduler.admission import WaitingAdmission
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.draft_scheduling import DraftScheduling
@@ -89,7 +89,15 @@ class Scheduler:
         if kv_cache_manager.usage != 0.0:
             raise ValueError("Scheduler needs a KVCacheManager with every block free")
         self.num_kv_blocks = kv_cache_manager.num_free_blocks
-        pool_tokens = self.num_kv_blocks * self.block_size
+        # One request alone always fits in this many tokens (any length: window models).
+        pool_tokens = max_tokens_per_request(
+            kv_cache_manager.specs,
+            self.num_kv_blocks,
+            self.block_size,
+            config.max_num_batched_tokens + config.num_lookahead_tokens,
+        )
+        if pool_tokens is None:
+            pool_tokens = config.max_model_len
         self.max_num_tokens = min(config.max_model_len, pool_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = PriorityRequestQueue() if config.policy == "priority" else FCFSRequestQueue()

@@ -20,7 +20,19 @@ from ember_kv_cache.hashing import (
     BlockHashExtras,
     MultiModalItem,
 )
+from ember_kv_cache.hybrid_manager import HybridComputedBlocks, HybridKVCacheManager
 from ember_kv_cache.manager import KVCacheManager
+from ember_kv_cache.spec_managers import LocalAttentionManager, StateManager
+from ember_kv_cache.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroup,
+    SlidingWindowSpec,
+    StateSpec,
+    group_layers,
+    group_layers_evenly,
+    max_tokens_per_request,
+)
 from ember_kv_cache.stats import PrefixCacheStats
 from ember_kv_cache.tier_entry import LayoutFingerprint
 from ember_kv_cache.tier_store import TieredKVStore, TierStats
@@ -39,23 +51,35 @@ __all__ = [
     "BlockStored",
     "CPUTier",
     "ChunkTransfer",
+    "ChunkedLocalAttentionSpec",
     "ComputedBlocks",
     "DiskTier",
     "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
+    "HybridComputedBlocks",
+    "HybridKVCacheManager",
     "KVCacheBlock",
     "KVCacheEvent",
+    "KVCacheGroup",
     "KVCacheManager",
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorStats",
     "KVTransferConfig",
     "LayoutFingerprint",
+    "LocalAttentionManager",
     "MultiModalItem",
     "PrefixCacheStats",
     "RedisTier",
+    "SlidingWindowSpec",
+    "StateManager",
+    "StateSpec",
     "TierStats",
     "TierUnavailable",
     "TieredConnectorScheduler",
     "TieredKVStore",
+    "group_layers",
+    "group_layers_evenly",
     "make_tier",
+    "max_tokens_per_request",
 ]

@@ -19,6 +19,7 @@ class KVCacheBlock:
     __slots__ = (
         "block_hash",
         "block_id",
+        "group",
         "is_null",
         "next_free_block",
         "partial",
@@ -30,6 +31,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.group = 0  # the layer group whose prefix cache holds block_hash
         self.partial: PartialBlock | None = None
         self.is_null = is_null
         self.prev_free_block: KVCacheBlock | None = None

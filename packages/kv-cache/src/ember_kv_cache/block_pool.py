@@ -82,7 +82,9 @@ class BlockPool:
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
         if self.enable_kv_events:
-            self.kv_event_queue.append(BlockRemoved(block_hash=block_hash, block_id=block.block_id))
+            self.kv_event_queue.append(
+                BlockRemoved(block_hash=block_hash, block_id=block.block_id, group=block.group)
+            )
 
     def cache_partial_block(self, block: KVCacheBlock, partial: PartialBlock) -> None:
         """Index a partly filled block that its (only) request is about to free."""
@@ -139,6 +141,8 @@ class BlockPool:
         """Add a reference to each block (prefix-cache hits), taking free ones off the queue."""
         remove = self.free_block_queue.remove
         for block in blocks:
+            if block.is_null:  # a placeholder for KV that left a sliding window
+                continue
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
@@ -165,8 +169,10 @@ class BlockPool:
         parent_block_hash: bytes | None,
         token_ids: Sequence[int],
         extra_keys: tuple[ExtraKey, ...],
+        group: int = 0,
     ) -> None:
-        """Enter a newly full block into the prefix cache under ``block_hash``.
+        """Enter a newly full block into the prefix cache under ``block_hash`` (of layer group
+        ``group``, which its events name).
 
         If another block already holds the same hash, this one stays uncached (a duplicate that
         is reused first once freed).
@@ -174,6 +180,7 @@ class BlockPool:
         if block_hash in self.cached_block_hash_to_block:
             return
         block.block_hash = block_hash
+        block.group = group
         self.cached_block_hash_to_block[block_hash] = block
         if self.enable_kv_events:
             self.kv_event_queue.append(
@@ -183,6 +190,7 @@ class BlockPool:
                     token_ids=tuple(int(t) for t in token_ids),
                     extra_keys=extra_keys,
                     block_id=block.block_id,
+                    group=group,
                 )
             )
 

@@ -43,7 +43,7 @@ class ComputedBlocks:
         if self.extras != extras:
             raise ValueError("extras differ from the extras of the get_computed_blocks lookup")
         for block, block_hash in zip(self.blocks, self.block_hashes):
-            if block.block_hash != block_hash:
+            if block.block_hash != block_hash and not block.is_null:
                 raise ValueError(
                     f"computed blocks are stale: block {block.block_id} was evicted since "
                     "get_computed_blocks; look the prefix up again"

@@ -29,6 +29,7 @@ class BlockStored(KVCacheEvent):
     token_ids: tuple[int, ...]
     extra_keys: tuple[ExtraKey, ...]
     block_id: int
+    group: int = 0  # the layer group (HybridKVCacheManager), 0 with one group
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class BlockRemoved(KVCacheEvent):
 
     block_hash: bytes
     block_id: int
+    group: int = 0
 
 
 @dataclass(frozen=True)

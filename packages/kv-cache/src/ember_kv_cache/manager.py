@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
 from collections.abc import Sequence
 
 from ember_kv_cache.block import KVCacheBlock, PartialBlock
 from ember_kv_cache.block_pool import BlockPool
 from ember_kv_cache.computed_blocks import ComputedBlocks
+from ember_kv_cache.counts import bad_counts
 from ember_kv_cache.events import KVCacheEvent
 from ember_kv_cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, BlockHashExtras
+from ember_kv_cache.specs import FullAttentionSpec, KVCacheSpec
 from ember_kv_cache.stats import PrefixCacheStats
 
 
 class _RequestBlocks:
     """One request's block table and the hashes of its full blocks so far."""
 
-    __slots__ = ("block_hashes", "block_ids", "blocks", "capacity", "extras", "hash_boundary")
+    __slots__ = (
+        "block_hashes",
+        "block_ids",
+        "blocks",
+        "capacity",
+        "extras",
+        "hash_boundary",
+        "skip_boundary",
+    )
 
     def __init__(self, extras: BlockHashExtras | None, hash_boundary: int) -> None:
         self.blocks: list[KVCacheBlock] = []
@@ -27,6 +36,9 @@ class _RequestBlocks:
         self.extras = extras
         # Token count at which the next unhashed block becomes full (never, without caching).
         self.hash_boundary = hash_boundary
+        # Token count at which the next leading block leaves a local layer's view (never, for
+        # full attention; ember_kv_cache.spec_managers).
+        self.skip_boundary = sys.maxsize
 
 
 class KVCacheManager:
@@ -46,6 +58,14 @@ class KVCacheManager:
     whose KV that step's forward has yet to write, is no copy source before it).
     """
 
+    spec: KVCacheSpec = FullAttentionSpec()  # what its layers keep: every token
+    kv_group = 0  # its index among a hybrid manager's groups (named by its KV events)
+
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        """The spec of each layer group: one group."""
+        return (self.spec,)
+
     def __init__(
         self,
         num_blocks: int,
@@ -56,9 +76,11 @@ class KVCacheManager:
         hash_seed: bytes = b"",
         enable_kv_events: bool = False,
         reuse_partial_blocks: bool = False,
+        block_pool: BlockPool | None = None,
     ) -> None:
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
-        self.block_pool = BlockPool(
+        # A hybrid manager's groups share one pool (ember_kv_cache.hybrid_manager).
+        self.block_pool = block_pool or BlockPool(
             num_blocks, enable_caching=enable_caching, enable_kv_events=enable_kv_events
         )
         self.num_blocks = num_blocks
@@ -170,7 +192,7 @@ class KVCacheManager:
         except TypeError:
             counts_ok = False
         if not counts_ok:
-            raise ValueError(_bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
+            raise ValueError(bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens))
         state = self._requests.get(request_id)
         if (
             state is not None
@@ -207,7 +229,10 @@ class KVCacheManager:
         num_lookahead_tokens: int,
         extras: BlockHashExtras | None,
         delay_cache_blocks: bool,
-    ) -> list[int] | None:
+        dry_run: bool = False,
+    ) -> list[int] | int | None:
+        """``allocate_slots``; with ``dry_run`` only the number of blocks it would take off the
+        free queue (or None), changing nothing."""
         if extras is not None and not isinstance(extras, BlockHashExtras):
             raise ValueError(f"extras must be a BlockHashExtras or None, got {extras!r}")
         capacity = state.capacity if state is not None else 0
@@ -239,9 +264,11 @@ class KVCacheManager:
         num_held_blocks = len(state.blocks) if state is not None else 0
         num_new_blocks = max(0, num_required_blocks - num_held_blocks - len(hit_blocks))
         # Hits on free blocks leave the free queue when touched, so they cannot be allocated.
-        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0 and not block.is_null)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
             return None
+        if dry_run:
+            return num_new_blocks + num_free_hits
 
         # Hash before changing anything, so that bad token ids leave every state untouched.
         known_hashes = state.block_hashes if state is not None else computed_hashes
@@ -255,7 +282,7 @@ class KVCacheManager:
             )
 
         if state is None:
-            state = _RequestBlocks(extras, self._first_hash_boundary)
+            state = self._new_request_state(extras)
             self._requests[request_id] = state
         if hit_blocks:
             self.block_pool.touch(hit_blocks)
@@ -274,6 +301,9 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(state, new_full_blocks)
         return new_block_ids
+
+    def _new_request_state(self, extras: BlockHashExtras | None) -> _RequestBlocks:
+        return _RequestBlocks(extras, self._first_hash_boundary)
 
     def _hash_new_full_blocks(
         self,
@@ -310,8 +340,10 @@ class KVCacheManager:
             index = len(hashes)
             parent = hashes[-1] if index else None
             block = state.blocks[index]
-            cache_full_block(block, block_hash, parent, tokens, keys)
             hashes.append(block_hash)
+            if block.is_null:  # a block that already left a sliding window
+                continue
+            cache_full_block(block, block_hash, parent, tokens, keys, self.kv_group)
             if self.reuse_partial_blocks and block.block_hash == block_hash:
                 # Also findable by its first tokens (a prompt asked again after an answer that
                 # filled the block), once this step's forward has written it.
@@ -406,15 +438,3 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (empty unless ``enable_kv_events``)."""
         return self.block_pool.take_events()
-
-
-def _bad_counts(num_new_tokens, num_computed_tokens, num_lookahead_tokens) -> str:
-    """The message naming the first token count that is not an int >= 0."""
-    for name, value in (
-        ("num_new_tokens", num_new_tokens),
-        ("num_computed_tokens", num_computed_tokens),
-        ("num_lookahead_tokens", num_lookahead_tokens),
-    ):
-        if not isinstance(value, numbers.Integral) or value < 0:
-            return f"{name} must be an int >= 0, got {value!r}"
-    raise AssertionError("every count is an int >= 0")

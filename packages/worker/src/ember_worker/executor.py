@@ -10,6 +10,7 @@ import torch
 from ember_kv_cache import KVTransferConfig, TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed.worker import Worker, WorkerConfig
+from ember_worker.kv_specs import layer_kv_specs
 from ember_worker.step_threads import StepThreads
 
 
@@ -55,6 +56,7 @@ class InProcessExecutor:
         self.num_kv_blocks = self.worker.num_available_blocks()
         self.worker.initialize_kv_cache(self.num_kv_blocks)
         self.block_size = config.block_size
+        self.kv_cache_specs = layer_kv_specs(self.worker.loaded.config)
         self.vocab_size = self.worker.vocab_size
         self.kv_transfer_store: TieredKVStore | None = self.worker.kv_transfer_store
         self.grammar_compiler = self.worker.grammar_compiler

@@ -29,6 +29,13 @@ _QWEN_SHAPE = dict(
     max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None,
 )  # fmt: skip
 
+_GEMMA_SHAPE = dict(
+    hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, layer_types=None,
+)  # fmt: skip
+
 # model_type -> the defaults of its transformers config class, for the fields Ember reads.
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -42,7 +49,14 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "qwen2": {k: v for k, v in _QWEN_SHAPE.items() if k != "head_dim"},
     "qwen3": dict(_QWEN_SHAPE, head_dim=128, attention_bias=False),
+    "gemma2": dict(_GEMMA_SHAPE, vocab_size=256000, max_position_embeddings=8192,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+    ),
+    "gemma3_text": dict(_GEMMA_SHAPE, vocab_size=262208, max_position_embeddings=131072,
+        final_logit_softcapping=None, attn_logit_softcapping=None,
+    ),
 }  # fmt: skip
+
 
 # RoPE types whose parameters carry the context length the model was trained on.
 _LONG_CONTEXT_ROPE = ("llama3", "yarn", "longrope")
@@ -134,8 +148,19 @@ def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
                 else "full_attention"
                 for i in range(config["num_hidden_layers"])
             ]
+    if model_type in ("gemma2", "gemma3_text") and config["layer_types"] is None:
+        # Interleaved local and global layers: layer i is global where i + 1 is a multiple of
+        # the pattern (every second layer in Gemma 2).
+        pattern = 2 if model_type == "gemma2" else int(config.get("sliding_window_pattern", 6))
+        config["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
     config["dtype"] = raw.get("dtype") or raw.get("torch_dtype")
-    config["rope_parameters"] = _rope_parameters(config)
+    if model_type == "gemma3_text":
+        config["rope_parameters"] = _local_global_rope_parameters(config)
+    else:
+        config["rope_parameters"] = _rope_parameters(config)
     id2label = raw.get("id2label")
     if id2label is None:
         id2label = {i: f"LABEL_{i}" for i in range(int(raw.get("num_labels") or 2))}
@@ -154,6 +179,23 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in _LONG_CONTEXT_ROPE:
         params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return params
+
+
+def _local_global_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ``rope_parameters`` per layer type: the global layers take ``rope_theta`` and
+    any ``rope_scaling``, the local ones ``rope_local_base_freq``."""
+    given = config.get("rope_parameters") or {}
+    params = {
+        kind: dict(given.get(kind) or {"rope_type": "default"})
+        for kind in ("sliding_attention", "full_attention")
+    }
+    # As transformers merges them: a legacy ``type`` key does not change the ``rope_type``.
+    params["full_attention"].update(config.get("rope_scaling") or {})
+    params["full_attention"].setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    params["sliding_attention"].setdefault(
+        "rope_theta", config.get("rope_local_base_freq", 10_000.0)
+    )
     return params
 
 

@@ -76,13 +76,16 @@ class InputBatch:
         block_size: int,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.max_blocks_per_req = _cdiv(max_model_len, block_size)
+        # Several KV groups' tables share a row, interleaved (ember_worker.kv_specs).
+        self.num_kv_groups = num_kv_groups
+        self.max_blocks_per_req = _cdiv(max_model_len, block_size) * num_kv_groups
         self.device = torch.device(device)
 
         # Row storage. zeros() is lazily backed by the OS, so unused tails cost no memory. The
@@ -309,7 +312,10 @@ class InputBatch:
         computed = self.num_computed_tokens[:n].astype(np.int64)
         # One reduction for every check (tokens held, room in the blocks, non-negative counts);
         # the error path works out which one failed.
-        capacity = np.minimum(self.num_tokens[:n], self.num_blocks[:n] * self.block_size)
+        blocks = self.num_blocks[:n]
+        if self.num_kv_groups > 1:
+            blocks = blocks // self.num_kv_groups
+        capacity = np.minimum(self.num_tokens[:n], blocks * self.block_size)
         slack = np.minimum(capacity - computed - num_sched, num_sched)
         if total <= 0 or total > self.max_num_batched_tokens or slack.min() < 0:
             error = self._schedule_error(num_sched, computed, total)
@@ -336,7 +342,8 @@ class InputBatch:
                 f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
                 f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
             )
-        row = np.flatnonzero(_cdiv(seq_lens, self.block_size) > self.num_blocks[:n])[0]
+        needed = _cdiv(seq_lens, self.block_size) * self.num_kv_groups
+        row = np.flatnonzero(needed > self.num_blocks[:n])[0]
         return ValueError(
             f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "
             f"{seq_lens[row]} tokens"

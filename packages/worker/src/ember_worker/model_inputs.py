@@ -41,6 +41,9 @@ class ModelInputs:
     max_query_len: int
     max_seq_len: int
     num_tokens: int
+    # With several KV groups: (slot_mapping, block_table) of each; the fields above are group 0's
+    # slots and the interleaved table.
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
 
 class ModelInputBuffers:
@@ -111,11 +114,15 @@ class ModelInputBuffers:
         index += positions
         self._input_ids_np[:total] = self._token_ids_flat[index]
         np.multiply(req_indices, batch.max_blocks_per_req, out=index)
-        index += positions // block_size
+        num_groups = batch.num_kv_groups
+        index += (
+            positions // block_size if num_groups == 1 else positions // block_size * num_groups
+        )
         block_numbers = self._block_table_flat[index]
         slot_mapping = self._slot_mapping_np[:total]
         np.multiply(block_numbers, block_size, out=slot_mapping)
         slot_mapping += positions % block_size
+        group_tables = None if num_groups == 1 else self._group_tables(n, index, positions)
 
         self._query_start_loc_np[1 : n + 1] = cu
         self._seq_lens_np[:n] = seq_lens
@@ -132,7 +139,22 @@ class ModelInputBuffers:
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             num_tokens=total,
+            group_tables=group_tables,
         )
+
+    def _group_tables(self, n: int, index: np.ndarray, positions: np.ndarray) -> tuple:
+        """Each KV group's slots and block table: group ``g``'s block of a token sits ``g``
+        entries after group 0's in the interleaved row."""
+        batch = self.batch
+        size, num_groups, device = batch.block_size, batch.num_kv_groups, batch.device
+        offsets = positions % size
+        table = batch.block_table_cpu_tensor[:n]
+        tables = []
+        for group in range(num_groups):
+            slots = torch.from_numpy(self._block_table_flat[index + group] * size + offsets)
+            rows = table[:, group::num_groups].contiguous()
+            tables.append((slots.to(device), rows.to(device)))
+        return tuple(tables)
 
     def _make_views(self, n: int, total: int) -> tuple[torch.Tensor, ...]:
         """Tensor views of the buffers for ``n`` rows and ``total`` tokens, in ``ModelInputs``

@@ -21,6 +21,7 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
+from ember_worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from ember_worker.quantization import check_quantization, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ def load_model(
     torch_dtype, why = choose_dtype(dtype, hf_config, device)
     logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM
+    if isinstance(config, GemmaConfig):
+        model_class = GemmaForCausalLM
     with torch.device(device):
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
     decoder.load_weights(iterate_weights(safetensors_files(path), keep=decoder.holds_tensor))

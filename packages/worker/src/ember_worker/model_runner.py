@@ -11,6 +11,8 @@ prefill get none), the next drafts proposed, and the output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -22,6 +24,7 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.kv_connector import TieredConnectorWorker
+from ember_worker.kv_specs import kv_cache_groups, layer_caches
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.lora.manager import LoRAManager
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
@@ -69,6 +72,13 @@ class ModelRunner:
         if device.type == "cpu":
             # Build (first run on this CPU) or load the compiled attention now, not in a step.
             ek.cpu_ops.available()
+        # Layers with different KV specs (Gemma's local and global) keep a table per group.
+        self.kv_groups = kv_cache_groups(loaded.config)
+        if len(self.kv_groups) > 1 and not (pp.is_first and pp.is_last):
+            raise ValueError(
+                "pipeline_parallel_size must be 1 for a model whose layers keep different KV "
+                "(sliding-window and global layers)"
+            )
         self.input_batch = InputBatch(
             max_num_reqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -76,6 +86,7 @@ class ModelRunner:
             block_size=block_size,
             vocab_size=loaded.config.vocab_size,
             device=device,
+            num_kv_groups=len(self.kv_groups),
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
@@ -92,7 +103,15 @@ class ModelRunner:
             if speculative_config is None or not pp.is_last
             else SpeculativeDecoder(speculative_config, self.input_batch, loaded, device)
         )
+        if len(self.kv_groups) > 1 and self.spec_decoder and self.spec_decoder.draft_model:
+            raise ValueError(
+                "speculative_config: a draft model is not supported beside a target whose "
+                "layers keep different KV (sliding-window and global layers)"
+            )
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
+        if len(self.kv_groups) > 1:  # layer j of every group shares cache tensor j
+            largest = max(len(group.layer_ids) for group in self.kv_groups)
+            self.kv_cache_spec = dataclasses.replace(self.kv_cache_spec, num_layers=largest)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._block_indexed_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector: TieredConnectorWorker | None = None
@@ -114,7 +133,10 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec, num_blocks, self.device)
-        bind_kv_cache(self.model, self.kv_caches)
+        if len(self.kv_groups) > 1:
+            bind_kv_cache(self.model, *layer_caches(self.kv_caches, self.kv_groups))
+        else:
+            bind_kv_cache(self.model, self.kv_caches)
         # Every cache indexed by the scheduler's block ids: block copies apply to all of them.
         self._block_indexed_caches = list(self.kv_caches)
         if self.spec_decoder is not None and self.spec_decoder.draft_model is not None:
@@ -363,4 +385,5 @@ def _attention_metadata(
         max_query_len=inputs.max_query_len,
         max_seq_len=inputs.max_seq_len,
         kv_connector=kv_connector,
+        group_tables=inputs.group_tables,
     )

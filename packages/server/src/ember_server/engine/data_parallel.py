@@ -30,10 +30,12 @@ class EnginePrefixIndex:
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for event in events:
-            if isinstance(event, KVBlocksStored):
-                self.block_hashes.update(event.block_hashes)
-            elif isinstance(event, KVCacheCleared):
+            if isinstance(event, KVCacheCleared):
                 self.block_hashes.clear()
+            elif event.group:
+                continue  # other layer groups hash under their own seeds; prompts hash as 0's
+            elif isinstance(event, KVBlocksStored):
+                self.block_hashes.update(event.block_hashes)
             else:
                 self.block_hashes.difference_update(event.block_hashes)
 

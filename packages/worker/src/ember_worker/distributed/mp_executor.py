@@ -37,6 +37,7 @@ from ember_worker.distributed.worker import (
     model_vocab_size,
     scheduler_side_store,
 )
+from ember_worker.kv_specs import model_layer_kv_specs
 
 _POLL_MS = 50  # how often a waiting executor checks that its workers are alive
 _STOP_GRACE_S = 5.0
@@ -92,6 +93,7 @@ class MultiprocExecutor:
         self._failed = False
         self._in_flight: deque[StepOutput] = deque()  # steps sent, outputs not received
         self.vocab_size = model_vocab_size(config.model)
+        self.kv_cache_specs = model_layer_kv_specs(config.model)
         try:
             self.num_kv_blocks = self._start(config, device, startup_timeout)
         except BaseException:

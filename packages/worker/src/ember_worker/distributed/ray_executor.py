@@ -31,6 +31,7 @@ from ember_worker.distributed.worker import (
     rank_device,
     scheduler_side_store,
 )
+from ember_worker.kv_specs import model_layer_kv_specs
 
 _STOP_GRACE_S = 5.0
 _GRAMMAR_GROUP = "grammar"  # actor threads that compile grammars beside the step thread
@@ -114,6 +115,7 @@ class RayExecutor:
         self.actors: list = []
         self._placement_group = None
         self.vocab_size = model_vocab_size(config.model)
+        self.kv_cache_specs = model_layer_kv_specs(config.model)
         # Compiled by the ranks that sample; the output rank's answer resolves the future.
         self.grammar_compiler = RankGrammarCompiler(self._send_compile)
         uses_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")

@@ -12,6 +12,9 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    # Built by ember_worker.models.gemma (interleaved local / global layers).
+    "Gemma2ForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Gemma3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
 
 # A sequence classifier is the same decoder with a ``score`` head: architecture -> its decoder's.
@@ -60,6 +63,10 @@ class DecoderConfig:
                 f"supported; Ember supports "
                 f"{sorted([*SUPPORTED_ARCHITECTURES, *SEQUENCE_CLASSIFIERS])}"
             )
+        if arch.startswith("Gemma") and classifier is None:
+            from ember_worker.models.gemma import GemmaConfig  # it builds on this module
+
+            return GemmaConfig.from_gemma_hf_config(hf_config, arch)
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -96,7 +103,13 @@ def _rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None, floa
     """(rope_theta, rope_scaling, partial_rotary_factor) from transformers 5's standardized
     ``rope_parameters`` (as ``hf_config.load_hf_config`` builds it from the older ``rope_theta``
     and ``rope_scaling`` fields too)."""
-    scaling = dict(hf_config.rope_parameters)
+    return rope_settings(hf_config.rope_parameters)
+
+
+def rope_settings(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling or None for plain RoPE, partial_rotary_factor) of one
+    standardized ``rope_parameters`` dict."""
+    scaling = dict(rope_parameters)
     theta = float(scaling.pop("rope_theta"))
     partial = float(scaling.pop("partial_rotary_factor", 1.0))
     if scaling["rope_type"] == "default":

@@ -235,7 +235,11 @@ class DecoderModel(nn.Module):
     def _stack_for(self, metadata: AttentionMetadata):
         """The compiled CPU stack of this stage's layers, built (again) when the caches it was
         bound to changed; None where the per-operation path runs."""
-        if not self.use_cpu_stack or metadata.kv_connector is not None:
+        if (
+            not self.use_cpu_stack
+            or metadata.kv_connector is not None
+            or metadata.group_tables is not None  # the stack reads one block table
+        ):
             return None
         caches = self.layers[self.start_layer].self_attn.attn.kv_cache
         if caches is not self._cpu_stack_caches:
