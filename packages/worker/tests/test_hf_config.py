@@ -32,9 +32,17 @@ ARCHITECTURES = {
     "mistral": ["MistralForCausalLM"],
     "qwen2": ["Qwen2ForCausalLM", "Qwen2ForSequenceClassification"],
     "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
+    "mixtral": ["MixtralForCausalLM"],
+    "qwen2_moe": ["Qwen2MoeForCausalLM"],
+    "qwen3_moe": ["Qwen3MoeForCausalLM"],
 }
 # Fields a transformers class types as a plain int: it refuses the config when they are null.
-NULL_REFUSED = {"mistral": ("num_key_value_heads",), "qwen3": ("head_dim",)}
+NULL_REFUSED = {
+    "mistral": ("num_key_value_heads",),
+    "mixtral": ("num_key_value_heads",),
+    "qwen3": ("head_dim",),
+    "qwen3_moe": ("num_key_value_heads",),
+}
 ABSENT = object()
 ROPES = [
     {},
@@ -73,6 +81,19 @@ CHOICES = {
     "torch_dtype": [ABSENT, "float16"],
 }
 
+# Mixture-of-experts fields, and the model types that refuse sliding windows (left out for them).
+MOE_CHOICES = {
+    "num_experts": [ABSENT, 4],
+    "num_local_experts": [ABSENT, 6],
+    "num_experts_per_tok": [ABSENT, 1, 3],
+    "moe_intermediate_size": [ABSENT, 48],
+    "shared_expert_intermediate_size": [ABSENT, 80],
+    "norm_topk_prob": [ABSENT, True, False],
+    "decoder_sparse_step": [ABSENT, 2],
+    "mlp_only_layers": [ABSENT, [0]],
+}
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
+
 
 def _variants(model_type: str, count: int) -> list[dict]:
     """The bare config (every default), then ``count`` random ones."""
@@ -80,10 +101,13 @@ def _variants(model_type: str, count: int) -> list[dict]:
     variants = [{"model_type": model_type, "architectures": ARCHITECTURES[model_type][:1]}]
     for _ in range(count):
         raw = {"model_type": model_type, "architectures": [rng.choice(ARCHITECTURES[model_type])]}
-        for field, values in CHOICES.items():
+        moe = model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+        for field, values in {**CHOICES, **(MOE_CHOICES if moe else {})}.items():
             value = rng.choice(values)
-            if value is not ABSENT:
+            if value is not ABSENT and not (moe and field in WINDOW_FIELDS):
                 raw[field] = value
+        if moe and "num_experts" in raw and "num_local_experts" in raw:
+            del raw["num_local_experts"]  # one name per config.json
         if "num_attention_heads" not in raw and "hidden_size" in raw:
             raw["num_attention_heads"] = 4  # the default 32 heads do not divide 128
         for field in NULL_REFUSED.get(model_type, ()):
@@ -91,7 +115,7 @@ def _variants(model_type: str, count: int) -> list[dict]:
                 del raw[field]
         if "id2label" in raw and "num_labels" in raw:
             del raw["num_labels"]  # transformers only warns when they disagree
-        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3:
+        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3 and not moe:
             raw["layer_types"] = ["full_attention", "sliding_attention", "full_attention"]
         raw.update(json.loads(json.dumps(rng.choice(ROPES))))
         variants.append(raw)

@@ -21,7 +21,26 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
     "qwen2": dict(_TIED, use_sliding_window=False),  # qkv bias is built in
     "qwen3": dict(_TIED, head_dim=32),  # q/k norm is built in
-}
+    # Mixture-of-experts: 4 experts, 2 per token, small experts; Qwen2-MoE with a shared expert
+    # and a dense layer (mlp_only_layers), Qwen3-MoE with renormalized weights (norm_topk_prob).
+    # Weights large enough that greedy continuations hold many distinct tokens.
+    "mixtral": dict(
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, head_dim=16, initializer_range=0.2,
+    ),
+    "qwen2_moe": dict(
+        use_sliding_window=False, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96,
+        mlp_only_layers=[1], norm_topk_prob=False, initializer_range=0.2,
+    ),
+    "qwen3_moe": dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, initializer_range=0.25,
+    ),
+}  # fmt: skip
+# The mixture-of-experts architectures among ARCH_CONFIGS (not in ARCHITECTURES, whose fixture
+# runs every dense-model test once per architecture).
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # The benchmarks' Llama of about 30M parameters (with ``tiny_model_path("llama", ...)``): 9 layers of
 # hidden 512, 8 query / 4 KV heads of 64, MLP 1536; large enough that a step's compute, not the
@@ -56,6 +75,7 @@ __all__ = [
     "ARCHITECTURES",
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
+    "MOE_ARCHITECTURES",
     "QWEN_05B_CONFIG",
     "tiny_classifier_path",
     "tiny_model_path",
@@ -72,7 +92,7 @@ def tiny_model_path(
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into several safetensors files.
     """
     if arch not in ARCH_CONFIGS:
-        raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+        raise ValueError(f"arch must be one of {tuple(ARCH_CONFIGS)}, got {arch!r}")
     return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
 
 

@@ -28,6 +28,8 @@ _QWEN_SHAPE = dict(
     max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
     max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None,
 )  # fmt: skip
+# The MoE classes derive these differently from Qwen2/3; Ember refuses their sliding windows.
+_QWEN_WINDOW_FIELDS = ("sliding_window", "layer_types", "max_window_layers")
 
 # model_type -> the defaults of its transformers config class, for the fields Ember reads.
 MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -42,7 +44,33 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "qwen2": {k: v for k, v in _QWEN_SHAPE.items() if k != "head_dim"},
     "qwen3": dict(_QWEN_SHAPE, head_dim=128, attention_bias=False),
+    "mixtral": dict(
+        _LLAMA_SHAPE, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        {k: v for k, v in _QWEN_SHAPE.items() if k not in (*_QWEN_WINDOW_FIELDS, "head_dim")},
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], qkv_bias=True,
+    ),
+    "qwen3_moe": dict(
+        {k: v for k, v in _QWEN_SHAPE.items() if k not in (*_QWEN_WINDOW_FIELDS, "head_dim")},
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, sliding_window=None, attention_bias=False, num_local_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
 }  # fmt: skip
+# model_type -> {name a config.json may use: the name its transformers class stores it under}.
+_ATTRIBUTE_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+}
+# Model types whose transformers class defaults ``rope_theta`` to other than 10,000.
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6}
 
 # RoPE types whose parameters carry the context length the model was trained on.
 _LONG_CONTEXT_ROPE = ("llama3", "yarn", "longrope")
@@ -119,7 +147,12 @@ def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
             f"model type {model_type!r} (architectures {raw.get('architectures')}) is not "
             f"supported; Ember runs model types {sorted(MODEL_TYPE_DEFAULTS)}"
         )
+    raw = dict(raw)
+    for alias, name in _ATTRIBUTE_ALIASES.get(model_type, {}).items():
+        if alias in raw:
+            raw.setdefault(name, raw.pop(alias))
     config = {**defaults, **raw}
+    config.setdefault("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
     if model_type in ("llama", "mistral") and config.get("head_dim") is None:

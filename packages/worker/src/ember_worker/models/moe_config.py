@@ -1,0 +1,73 @@
+"""The mixture-of-experts switches of a checkpoint: experts, routing, shared experts, which layers.
+
+Read from the Hugging Face config of Mixtral, Qwen2-MoE and Qwen3-MoE (``MoeConfig.from_hf_config``);
+``DecoderConfig.moe`` holds it, None for dense models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Experts and routing of the sparse layers (``sparse_layers``); the other layers are dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
+    scoring: str = "softmax"
+    renormalize: bool = False
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    shared_intermediate_size: int = 0  # the shared expert's, 0 for none
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, architecture: str) -> MoeConfig | None:
+        """The MoE switches of ``architecture``; None for a dense one."""
+        if architecture not in MOE_ARCHITECTURES:
+            return None
+        _refuse_sliding_window(hf_config, architecture)
+        layers = hf_config.num_hidden_layers
+        if architecture == "MixtralForCausalLM":
+            return cls(
+                num_experts=hf_config.num_local_experts,
+                top_k=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size,
+                sparse_layers=(True,) * layers,
+                renormalize=True,
+            )
+        qwen2 = architecture == "Qwen2MoeForCausalLM"
+        num_experts = hf_config.num_experts if qwen2 else hf_config.num_local_experts
+        step, dense = hf_config.decoder_sparse_step, set(hf_config.mlp_only_layers or ())
+        sparse = tuple(
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        )
+        return cls(
+            num_experts=num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.moe_intermediate_size,
+            sparse_layers=sparse,
+            renormalize=bool(hf_config.norm_topk_prob),
+            shared_intermediate_size=hf_config.shared_expert_intermediate_size if qwen2 else 0,
+            shared_expert_gate=qwen2,
+        )
+
+
+def _refuse_sliding_window(hf_config: Any, architecture: str) -> None:
+    """Sliding windows of the MoE architectures are not run: refused rather than ignored."""
+    window = getattr(hf_config, "sliding_window", None)
+    in_use = getattr(hf_config, "use_sliding_window", True)
+    if architecture == "Qwen3MoeForCausalLM":
+        in_use = True  # transformers' Qwen3-MoE applies any sliding_window set
+    if window and in_use:
+        raise ValueError(
+            f"sliding_window: {architecture} with a sliding window ({window}) is not supported"
+        )
