@@ -9,11 +9,14 @@ dense layer (``mlp_only_layers``), Qwen3-MoE's renormalizes the chosen weights.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_parity import assert_matches_hf, greedy, make_engine, parity_prompts, run
 from test_parity_sampling import NUM_LOGPROBS, _check_rows, _hf_log_softmax
 
+from ember_kernels import moe as moe_ops
 from ember_scheduler.sampling_params import SamplingParams
 from ember_testing.tiny_models import MOE_ARCHITECTURES, tiny_model_path
+from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
 from ember_worker.models.mlp import DecoderMLP
 from ember_worker.models.moe import SparseMoeBlock
@@ -74,3 +77,36 @@ def test_sliding_window_moe_checkpoints_are_refused():
     raw = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=64)
     with pytest.raises(ValueError, match="sliding_window"):
         DecoderConfig.from_hf_config(hf_config_from_dict(raw))
+
+
+def _rank_model(path, rank: int, expert_parallel: bool):
+    """Rank ``rank`` of 2's shards. Loading copies slices and runs no collective, so the group
+    object is never used here (the distributed suite runs the real two-rank groups)."""
+    tp = TensorParallelGroup(rank, 2, group=object())
+    return load_model(path, dtype="float32", tp=tp, expert_parallel=expert_parallel).model
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_two_ranks_experts_sum_to_the_whole_layer(expert_parallel):
+    """Each rank's expert shards (a slice of every expert, or two whole experts) add up, as the
+    all-reduce adds them, to the one-rank layer's experts."""
+    path = tiny_model_path("qwen2_moe")
+    whole = load_model(path, dtype="float32").model.model.layers[0].mlp
+    ranks = [_rank_model(path, r, expert_parallel).model.layers[0].mlp for r in (0, 1)]
+    if expert_parallel:
+        assert [tuple(r.experts.expert_map.tolist()) for r in ranks] == [
+            (0, 1, -1, -1),
+            (-1, -1, 0, 1),
+        ]
+        torch.testing.assert_close(ranks[1].experts.w13_weight, whole.experts.w13_weight[2:])
+    else:
+        assert ranks[0].experts.w2_weight.shape[2] * 2 == whole.experts.w2_weight.shape[2]
+    x = torch.randn(9, whole.experts.w13_weight.shape[2])
+    weights, ids = moe_ops.select_experts(whole.gate(x), 2)
+    total = sum(r.experts(x, weights, ids) for r in ranks)
+    torch.testing.assert_close(total, whole.experts(x, weights, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_parallel_needs_experts():
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        load_model(tiny_model_path("llama"), dtype="float32", expert_parallel=True)

@@ -143,15 +143,10 @@ class FusedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MoE feed-forward block (HF's ``mlp``, Mixtral's ``block_sparse_moe``)."""
 
-    def __init__(
-        self,
-        config: DecoderConfig,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        expert_parallel: bool = False,
-    ) -> None:
+    def __init__(self, config: DecoderConfig, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.moe = moe = config.moe
+        expert_parallel = moe.expert_parallel
         self.tp = tp
         self.gate = MoeRouter(config.hidden_size, moe.num_experts, moe.correction_bias, dtype)
         self.experts = FusedExperts(

@@ -6,7 +6,7 @@ Read from the Hugging Face config of Mixtral, Qwen2-MoE and Qwen3-MoE (``MoeConf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -28,6 +28,9 @@ class MoeConfig:
     correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     shared_intermediate_size: int = 0  # the shared expert's, 0 for none
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    # Placement, the engine's choice: whole experts per tensor-parallel rank (expert parallelism)
+    # rather than a slice of every expert.
+    expert_parallel: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, architecture: str) -> MoeConfig | None:
@@ -71,3 +74,15 @@ def _refuse_sliding_window(hf_config: Any, architecture: str) -> None:
         raise ValueError(
             f"sliding_window: {architecture} with a sliding window ({window}) is not supported"
         )
+
+
+def with_expert_parallel(config: Any, expert_parallel: bool) -> Any:
+    """``config`` (a ``DecoderConfig``) with its experts placed by expert parallelism;
+    ValueError for a model without experts."""
+    if not expert_parallel:
+        return config
+    if config.moe is None:
+        raise ValueError(
+            f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers"
+        )
+    return replace(config, moe=replace(config.moe, expert_parallel=True))
