@@ -1,9 +1,11 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) vs transformers, end to end.
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) vs transformers,
+end to end.
 
 Greedy tokens equal transformers' in float32 with whole prompts, with chunked prefill, under
 preemption (asserted) and over a warm prefix cache (hits asserted); logprobs within 1e-4. The
-tiny checkpoints route each token to 2 of 4 experts; Qwen2-MoE's has a gated shared expert and a
-dense layer (``mlp_only_layers``), Qwen3-MoE's renormalizes the chosen weights.
+tiny checkpoints route each token to 2 of 4 experts (DeepSeek: of 8 in 4 groups, with a shared
+expert, a dense first layer and latent attention; V2 with YaRN); Qwen2-MoE's has a gated shared
+expert and a dense layer (``mlp_only_layers``), Qwen3-MoE's renormalizes the chosen weights.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_testing.tiny_models import MOE_ARCHITECTURES, tiny_model_path
 from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
+from ember_worker.models.mla import MlaAttention
 from ember_worker.models.mlp import DecoderMLP
 from ember_worker.models.moe import SparseMoeBlock
 
@@ -31,9 +34,13 @@ def test_the_loader_builds_expert_layers_where_the_checkpoint_has_them(arch):
     if arch == "qwen2_moe":  # mlp_only_layers=[1]
         assert kinds == [SparseMoeBlock, DecoderMLP, SparseMoeBlock]
         assert loaded.model.model.layers[0].mlp.shared_expert is not None
+    elif arch.startswith("deepseek"):  # first_k_dense_replace=1, shared experts, MLA
+        assert kinds == [DecoderMLP, SparseMoeBlock, SparseMoeBlock]
+        assert loaded.model.model.layers[1].mlp.shared_experts is not None
+        assert {type(layer.self_attn) for layer in loaded.model.model.layers} == {MlaAttention}
     else:
         assert set(kinds) == {SparseMoeBlock}
-    assert loaded.config.moe.num_experts == 4 and loaded.config.moe.top_k == 2
+    assert loaded.config.moe.top_k == 2
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)

@@ -35,6 +35,8 @@ ARCHITECTURES = {
     "mixtral": ["MixtralForCausalLM"],
     "qwen2_moe": ["Qwen2MoeForCausalLM"],
     "qwen3_moe": ["Qwen3MoeForCausalLM"],
+    "deepseek_v2": ["DeepseekV2ForCausalLM"],
+    "deepseek_v3": ["DeepseekV3ForCausalLM"],
 }
 # Fields a transformers class types as a plain int: it refuses the config when they are null.
 NULL_REFUSED = {
@@ -92,6 +94,23 @@ MOE_CHOICES = {
     "decoder_sparse_step": [ABSENT, 2],
     "mlp_only_layers": [ABSENT, [0]],
 }
+DEEPSEEK_CHOICES = {
+    "n_routed_experts": [ABSENT, 8],
+    "num_experts_per_tok": [ABSENT, 2],
+    "n_group": [ABSENT, 4],
+    "topk_group": [ABSENT, 2],
+    "n_shared_experts": [ABSENT, 1, 2],
+    "first_k_dense_replace": [ABSENT, 1],
+    "q_lora_rank": [ABSENT, None, 32],
+    "kv_lora_rank": [ABSENT, 48],
+    "qk_rope_head_dim": [ABSENT, 16],
+    "qk_nope_head_dim": [ABSENT, 32],
+    "v_head_dim": [ABSENT, 24],
+    "routed_scaling_factor": [ABSENT, 2.5],
+    "norm_topk_prob": [ABSENT, True, False],
+    "topk_method": [ABSENT, "greedy", "group_limited_greedy"],
+    "rope_interleave": [ABSENT, False],
+}
 WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
 
 
@@ -101,10 +120,14 @@ def _variants(model_type: str, count: int) -> list[dict]:
     variants = [{"model_type": model_type, "architectures": ARCHITECTURES[model_type][:1]}]
     for _ in range(count):
         raw = {"model_type": model_type, "architectures": [rng.choice(ARCHITECTURES[model_type])]}
-        moe = model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
-        for field, values in {**CHOICES, **(MOE_CHOICES if moe else {})}.items():
+        deepseek = model_type.startswith("deepseek")
+        moe = deepseek or model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+        extra = DEEPSEEK_CHOICES if deepseek else MOE_CHOICES if moe else {}
+        for field, values in {**CHOICES, **extra}.items():
             value = rng.choice(values)
-            if value is not ABSENT and not (moe and field in WINDOW_FIELDS):
+            # DeepSeek's head_dim is its rotary part (qk_rope_head_dim), never set on its own.
+            skip = (moe and field in WINDOW_FIELDS) or (deepseek and field == "head_dim")
+            if value is not ABSENT and not skip:
                 raw[field] = value
         if moe and "num_experts" in raw and "num_local_experts" in raw:
             del raw["num_local_experts"]  # one name per config.json

@@ -16,6 +16,13 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # With tied embeddings and small weights the residual stream stays close to the input token's
 # embedding, so greedy decoding repeats one or two tokens; larger weights let the layers decide.
 _TIED = dict(tie_word_embeddings=True, initializer_range=0.2)
+_DEEPSEEK = dict(
+    tie_word_embeddings=False, initializer_range=0.2, num_hidden_layers=3, num_key_value_heads=4,
+    kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA_CONFIG,
     "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
@@ -37,10 +44,22 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         norm_topk_prob=True, initializer_range=0.25,
     ),
+    # DeepSeek: multi-head latent attention (latent 48 + rotary 16 per token), a dense first layer
+    # (first_k_dense_replace), 8 experts in 4 groups (2 groups per token), a shared expert. V2
+    # without q_lora_rank, group-limited softmax routing and YaRN rope scaling with its softmax
+    # mscale; V3 with q_lora_rank, sigmoid routing and renormalized weights.
+    "deepseek_v2": dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+        rope_scaling=dict(
+            type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=32,
+            beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+        ),
+    ),
+    "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=32, norm_topk_prob=True),
 }  # fmt: skip
 # The mixture-of-experts architectures among ARCH_CONFIGS (not in ARCHITECTURES, whose fixture
 # runs every dense-model test once per architecture).
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The benchmarks' Llama of about 30M parameters (with ``tiny_model_path("llama", ...)``): 9 layers of
 # hidden 512, 8 query / 4 KV heads of 64, MLP 1536; large enough that a step's compute, not the

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember_worker.models.mla_config import MlaConfig
 from ember_worker.models.moe_config import MoeConfig
 
 # Architecture name in config.json -> switches that are fixed for that architecture (the rest is
@@ -17,6 +18,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "DeepseekV2ForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
 }
 
 # A sequence classifier is the same decoder with a ``score`` head: architecture -> its decoder's.
@@ -52,6 +55,7 @@ class DecoderConfig:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     num_labels: int | None = None  # a sequence classifier's (its score head's outputs)
     moe: MoeConfig | None = None  # the experts of a mixture-of-experts model
+    mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> DecoderConfig:
@@ -97,6 +101,7 @@ class DecoderConfig:
             sliding_windows=_sliding_windows(hf_config),
             num_labels=hf_config.num_labels if classifier is not None else None,
             moe=MoeConfig.from_hf_config(hf_config, arch),
+            mla=MlaConfig.from_hf_config(hf_config, arch),
         )
 
 

@@ -28,25 +28,10 @@ from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.cpu_stack import build_cpu_stack
+from ember_worker.models.mla import MlaAttention
 from ember_worker.models.mlp import DecoderMLP
 from ember_worker.models.moe import FusedExperts, SparseMoeBlock, expert_weight_target
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale, through ``ember_kernels``."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: the norm of ``x``. With it: (norm of x + residual, x + residual)."""
-        if residual is None:
-            return ek.rms_norm(x, self.weight, self.eps)
-        return ek.fused_add_rms_norm(x, residual, self.weight, self.eps)
+from ember_worker.models.norm import RMSNorm
 
 
 class DecoderAttention(nn.Module):
@@ -123,7 +108,8 @@ class DecoderLayer(nn.Module):
         self, config: DecoderConfig, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_index, tp, dtype)
+        attention = DecoderAttention if config.mla is None else MlaAttention
+        self.self_attn = attention(config, layer_index, tp, dtype)
         sparse = config.moe is not None and config.moe.sparse_layers[layer_index]
         self.mlp = SparseMoeBlock(config, tp, dtype) if sparse else DecoderMLP(config, tp, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -337,7 +323,7 @@ class DecoderForCausalLM(nn.Module):
                 continue
             target, shard = expert_weight_target(name) or (name, None)
             for part, merged, shard_id in _MERGED_WEIGHTS if shard is None else ():
-                if part in name:
+                if part in name and name.replace(part, merged) in params:
                     target, shard = name.replace(part, merged), shard_id
                     break
             param = params.get(target)

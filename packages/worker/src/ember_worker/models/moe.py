@@ -152,11 +152,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(
             config.hidden_size, moe.intermediate_size, moe.num_experts, tp, dtype, expert_parallel
         )
-        self.shared_expert = (
-            DecoderMLP(config, tp, dtype, moe.shared_intermediate_size)
-            if moe.shared_intermediate_size
-            else None
-        )
+        self.shared_name = moe.shared_expert_name if moe.shared_intermediate_size else None
+        if self.shared_name is not None:  # under its checkpoint name
+            self.add_module(
+                self.shared_name, DecoderMLP(config, tp, dtype, moe.shared_intermediate_size)
+            )
         self.shared_expert_gate = (
             nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype).requires_grad_(False)
             if moe.shared_expert_gate
@@ -176,9 +176,9 @@ class SparseMoeBlock(nn.Module):
             routed_scaling_factor=moe.routed_scaling_factor,
         )
         out = self.tp.all_reduce(self.experts(x, weights, ids))
-        if self.shared_expert is None:
+        if self.shared_name is None:
             return out
-        shared = self.shared_expert(x)
+        shared = getattr(self, self.shared_name)(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared

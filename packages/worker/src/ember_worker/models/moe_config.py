@@ -1,6 +1,7 @@
 """The mixture-of-experts switches of a checkpoint: experts, routing, shared experts, which layers.
 
-Read from the Hugging Face config of Mixtral, Qwen2-MoE and Qwen3-MoE (``MoeConfig.from_hf_config``);
+Read from the Hugging Face config of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3
+(``MoeConfig.from_hf_config``);
 ``DecoderConfig.moe`` holds it, None for dense models.
 """
 
@@ -9,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    *DEEPSEEK_ARCHITECTURES,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class MoeConfig:
     correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     shared_intermediate_size: int = 0  # the shared expert's, 0 for none
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    shared_expert_name: str = "shared_expert"  # its checkpoint name (DeepSeek: shared_experts)
     # Placement, the engine's choice: whole experts per tensor-parallel rank (expert parallelism)
     # rather than a slice of every expert.
     expert_parallel: bool = False
@@ -39,6 +47,8 @@ class MoeConfig:
             return None
         _refuse_sliding_window(hf_config, architecture)
         layers = hf_config.num_hidden_layers
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            return cls._deepseek(hf_config, architecture == "DeepseekV3ForCausalLM")
         if architecture == "MixtralForCausalLM":
             return cls(
                 num_experts=hf_config.num_local_experts,
@@ -61,6 +71,31 @@ class MoeConfig:
             renormalize=bool(hf_config.norm_topk_prob),
             shared_intermediate_size=hf_config.shared_expert_intermediate_size if qwen2 else 0,
             shared_expert_gate=qwen2,
+        )
+
+    @classmethod
+    def _deepseek(cls, hf_config: Any, v3: bool) -> MoeConfig:
+        """DeepSeek-V2 (softmax; groups scored by their best expert with ``group_limited_greedy``;
+        weights not renormalized, as transformers') or V3 (sigmoid plus the correction bias,
+        always grouped, ``norm_topk_prob``); experts from layer ``first_k_dense_replace`` on."""
+        grouped = v3 or hf_config.topk_method == "group_limited_greedy"
+        if not v3 and hf_config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method: {hf_config.topk_method!r} is not supported")
+        first = hf_config.first_k_dense_replace
+        return cls(
+            num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.moe_intermediate_size,
+            sparse_layers=tuple(i >= first for i in range(hf_config.num_hidden_layers)),
+            scoring="sigmoid" if v3 else "softmax",
+            renormalize=bool(v3 and hf_config.norm_topk_prob),
+            num_expert_group=hf_config.n_group if grouped else None,
+            topk_group=hf_config.topk_group if grouped else None,
+            routed_scaling_factor=float(hf_config.routed_scaling_factor),
+            correction_bias=v3,
+            shared_intermediate_size=hf_config.moe_intermediate_size
+            * (hf_config.n_shared_experts or 0),
+            shared_expert_name="shared_experts",
         )
 
 
