@@ -1,11 +1,12 @@
 """Mixture-of-experts models over two ranks against transformers: tensor parallel (every expert's
-intermediate dimension split) and expert parallel (``enable_expert_parallel``: two whole experts
-per rank), worker processes and Ray actors.
+intermediate dimension split) and expert parallel (``enable_expert_parallel``: half the experts,
+whole, per rank), worker processes and Ray actors.
 
 Greedy tokens equal transformers' with whole prompts, under preemption (asserted), with chunked
 prefill and over a warm prefix cache (hits asserted); logprobs within 1e-4. The default suite runs
-Mixtral under TP and Qwen2-MoE (shared expert, a dense layer) under EP, both
-over worker processes; the slow session every architecture on every layout, Ray included.
+DeepSeek-V3 under TP (latent attention's heads split, the latent cache replicated) and Qwen2-MoE
+(shared expert, a dense layer) under EP, both over worker processes; the slow session every
+architecture on every layout, Ray included.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LAYOUTS = {
     "tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "mp"),
     "ray-tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "ray"),
 }
-IN_DEFAULT_SUITE = {("mixtral", "tp2"), ("qwen2_moe", "tp2-ep")}
+IN_DEFAULT_SUITE = {("deepseek_v3", "tp2"), ("qwen2_moe", "tp2-ep")}
 
 
 @pytest.fixture(scope="module")
