@@ -130,3 +130,12 @@ def test_two_ranks_experts_sum_to_the_whole_layer(expert_parallel):
 def test_expert_parallel_needs_experts():
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         load_model(tiny_model_path("llama"), dtype="float32", expert_parallel=True)
+
+
+@pytest.mark.parametrize("arch", _suite(("deepseek_v2",)))
+def test_ngram_speculative_decoding_greedy_parity(arch):
+    """Drafts verified in one step over the expert layers (and the latent cache): accepted
+    drafts, preemption, chunked prefill and a warm prefix cache, tokens unchanged."""
+    from test_spec_decode import COMBINED, NGRAM, assert_greedy_parity
+
+    assert_greedy_parity(arch, NGRAM, COMBINED)
