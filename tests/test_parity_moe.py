@@ -38,6 +38,8 @@ def test_the_loader_builds_expert_layers_where_the_checkpoint_has_them(arch):
         assert kinds == [DecoderMLP, SparseMoeBlock, SparseMoeBlock]
         assert loaded.model.model.layers[1].mlp.shared_experts is not None
         assert {type(layer.self_attn) for layer in loaded.model.model.layers} == {MlaAttention}
+        bias = loaded.model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert (bias is not None and bias.abs().sum() > 0) == (arch == "deepseek_v3")
     else:
         assert set(kinds) == {SparseMoeBlock}
     assert loaded.config.moe.top_k == 2

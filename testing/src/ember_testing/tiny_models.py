@@ -10,7 +10,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from ember_server.cli.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
+from ember_server.cli.demo_model import (
+    LLAMA_CONFIG,
+    _write_atomically,
+    random_model_path,
+    tokenizer_path,
+)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # With tied embeddings and small weights the residual stream stays close to the input token's
@@ -55,7 +60,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
         ),
     ),
-    "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=32, norm_topk_prob=True),
+    "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=32, norm_topk_prob=True),  # + a correction bias
 }  # fmt: skip
 # The mixture-of-experts architectures among ARCH_CONFIGS (not in ARCHITECTURES, whose fixture
 # runs every dense-model test once per architecture).
@@ -112,7 +117,34 @@ def tiny_model_path(
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"arch must be one of {tuple(ARCH_CONFIGS)}, got {arch!r}")
-    return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
+    path = random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
+    if arch == "deepseek_v3":
+        return _with_correction_bias(path, seed)
+    return path
+
+
+def _with_correction_bias(path: pathlib.Path, seed: int) -> pathlib.Path:
+    """A copy of a DeepSeek-V3 folder whose routers' ``e_score_correction_bias`` (zero as
+    transformers initializes it) is random, so that it changes which experts tokens choose."""
+
+    def write(out: pathlib.Path) -> None:
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        gen = torch.Generator().manual_seed(seed)
+        for item in path.iterdir():
+            if item.suffix != ".safetensors":
+                shutil.copy2(item, out / item.name)
+                continue
+            tensors = load_file(item)
+            for name, tensor in tensors.items():
+                if name.endswith("e_score_correction_bias"):
+                    tensors[name] = (torch.rand(tensor.shape, generator=gen) - 0.5) * 0.4
+            save_file(tensors, out / item.name, metadata={"format": "pt"})
+
+    return _write_atomically(path.parent / f"{path.name}-bias", write)
 
 
 def tiny_classifier_path(
