@@ -1,7 +1,10 @@
-"""One pre-norm decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3.
+"""One pre-norm decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3, and with
+mixture-of-experts layers (``models.moe``) and latent attention (``models.mla``) Mixtral,
+Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3.
 
 The architectures differ only in switches of ``DecoderConfig``: q/k/v bias (Qwen2), per-head
-q/k RMSNorm (Qwen3), RoPE scaling (Llama 3), sliding windows (Mistral) and tied embeddings.
+q/k RMSNorm (Qwen3), RoPE scaling (Llama 3), sliding windows (Mistral) and tied embeddings; a
+layer's attention and feed-forward block are picked by ``config.mla`` and ``config.moe``.
 Tokens of all sequences are concatenated into one ``[num_tokens, hidden]`` batch (no padding);
 attention reads and writes the paged KV cache through ``ember_kernels``.
 """
