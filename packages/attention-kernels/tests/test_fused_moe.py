@@ -147,6 +147,8 @@ def test_fused_experts_rejects_bad_shapes():
     ids, weights = torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
     with pytest.raises(ValueError, match="w2"):
         moe.fused_experts(x, w13, torch.randn(8, 64, 40), weights, ids)
+    with pytest.raises(ValueError, match="w2: 7 experts, w13 has 8"):
+        moe.fused_experts(x, w13, torch.randn(7, 64, 48), weights, ids)
     with pytest.raises(ValueError, match="w13"):
         moe.fused_experts(x, torch.randn(8, 96, 60), w2, weights, ids)
     with pytest.raises(ValueError, match="topk_weights"):

@@ -37,14 +37,7 @@ def fused_experts(
     parallelism): their slots add nothing here.
     """
     packed = not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor)
-    check_expert_args(
-        hidden,
-        [_shape(w) for w in w13],
-        [_shape(w) for w in w2],
-        topk_weights,
-        topk_ids,
-        expert_map,
-    )
+    check_expert_args(hidden, *_expert_shapes(w13, w2), topk_weights, topk_ids, expert_map)
     if hidden.is_cuda and not packed:
         from ember_kernels.triton_ops.fused_moe import fused_experts as triton_fused_experts
 
@@ -68,7 +61,16 @@ def fused_moe(
     return fused_experts(hidden, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
 
 
-def _shape(weight: torch.Tensor) -> tuple[int, ...]:
-    """The ``[out, in]`` shape of a plain or oneDNN-packed weight (a packed tensor keeps its
-    logical shape)."""
-    return tuple(weight.shape)
+def _expert_shapes(w13: ExpertWeights, w2: ExpertWeights) -> tuple[list, list]:
+    """The experts' ``[out, in]`` shapes to check (a oneDNN-packed weight keeps its logical
+    shape). Stacked tensors are checked once, not per expert: this runs every layer and step."""
+    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+        if w13.dim() != 3 or w2.dim() != 3:
+            raise ValueError(
+                f"w13, w2: expected [experts, out, in] tensors, got {tuple(w13.shape)} and "
+                f"{tuple(w2.shape)}"
+            )
+        if w13.shape[0] != w2.shape[0]:
+            raise ValueError(f"w2: {w2.shape[0]} experts, w13 has {w13.shape[0]}")
+        return [tuple(w13.shape[1:])], [tuple(w2.shape[1:])]
+    return [tuple(w.shape) for w in w13], [tuple(w.shape) for w in w2]
