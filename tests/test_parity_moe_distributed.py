@@ -1,6 +1,6 @@
 """Mixture-of-experts models over two ranks against transformers: tensor parallel (every expert's
-intermediate dimension split) and expert parallel (``enable_expert_parallel``: half the experts,
-whole, per rank), worker processes and Ray actors.
+intermediate dimension split), expert parallel (``enable_expert_parallel``: half the experts,
+whole, per rank) and two pipeline stages, worker processes and Ray actors.
 
 Greedy tokens equal transformers' with whole prompts, under preemption (asserted), with chunked
 prefill and over a warm prefix cache (hits asserted); logprobs within 1e-4. The default suite runs
@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2": (ParallelConfig(tensor_parallel_size=2), "mp"),
     "tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "mp"),
     "ray-tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "ray"),
+    "pp2": (ParallelConfig(pipeline_parallel_size=2), "mp"),
 }
 IN_DEFAULT_SUITE = {("deepseek_v3", "tp2"), ("qwen2_moe", "tp2-ep")}
 
