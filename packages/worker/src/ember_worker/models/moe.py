@@ -48,8 +48,9 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
 
 
 class MoeRouter(nn.Module):
-    """The router (HF's ``gate``): one logit per expert, replicated on every rank; with the
-    DeepSeek-V3 correction bias where the checkpoint has one."""
+    """The router (HF's ``gate``): one logit per expert, replicated on every rank, in its
+    weight's dtype (float32 for DeepSeek, as transformers computes it, else the model's); with
+    the DeepSeek-V3 correction bias where the checkpoint has one."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -62,7 +63,7 @@ class MoeRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 class FusedExperts(nn.Module):
@@ -148,7 +149,10 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe = config.moe
         expert_parallel = moe.expert_parallel
         self.tp = tp
-        self.gate = MoeRouter(config.hidden_size, moe.num_experts, moe.correction_bias, dtype)
+        router_dtype = torch.float32 if moe.router_float32 else dtype
+        self.gate = MoeRouter(
+            config.hidden_size, moe.num_experts, moe.correction_bias, router_dtype
+        )
         self.experts = FusedExperts(
             config.hidden_size, moe.intermediate_size, moe.num_experts, tp, dtype, expert_parallel
         )

@@ -36,6 +36,7 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # the shared expert's, 0 for none
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
     shared_expert_name: str = "shared_expert"  # its checkpoint name (DeepSeek: shared_experts)
+    router_float32: bool = False  # DeepSeek: the router's weight and logits in float32
     # Placement, the engine's choice: whole experts per tensor-parallel rank (expert parallelism)
     # rather than a slice of every expert.
     expert_parallel: bool = False
@@ -96,6 +97,7 @@ class MoeConfig:
             shared_intermediate_size=hf_config.moe_intermediate_size
             * (hf_config.n_shared_experts or 0),
             shared_expert_name="shared_experts",
+            router_float32=True,
         )
 
 
