@@ -194,7 +194,8 @@ def test_greedy_matches_transformers_and_a_second_engine_loads_every_rank_shard(
     assert second["cached"] == second["loaded"] == (300 - 1) // BLOCK * BLOCK
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+# deepseek_v2: the MLA latent cache (one tensor per layer) travels through the same chunks.
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "deepseek_v2"])
 def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_model, tmp_path):
     model = str(tiny_model(arch))
     shared = disk(tmp_path / "kv")

@@ -92,6 +92,8 @@ def hf_greedy(
 
 def bytes_per_block(model: str | ModelKey) -> int:
     c = AutoConfig.from_pretrained(model_path(model))
+    if getattr(c, "kv_lora_rank", None):  # MLA: one latent per token and layer
+        return c.num_hidden_layers * BLOCK_SIZE * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * BLOCK_SIZE * c.num_key_value_heads * head_dim * 4
 

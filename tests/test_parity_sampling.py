@@ -34,7 +34,9 @@ def _check_rows(rows, expected: torch.Tensor, targets: list[int]) -> None:
         got = torch.tensor(values[k], dtype=torch.float32)
         want = torch.cat([ref[target : target + 1], top_values])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        assert ranks[k] == int((ref > ref[target]).sum()) + 1
+        # Tokens within the logprob tolerance of the target may rank either side of it.
+        above, near = int((ref > ref[target] + 1e-4).sum()), int((ref > ref[target] - 1e-4).sum())
+        assert above + 1 <= ranks[k] <= near  # near counts the target itself
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -95,9 +95,48 @@ def test_bit_identical_to_transformers_llama_in_float32(scaling):
     assert torch.equal(k, hf_k[0].transpose(0, 1)), f"seed {seed}"
 
 
+YARNS = {
+    "factor": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=512),
+    "deepseek": dict(
+        rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32,
+        beta_slow=1, mscale=1.0, mscale_all_dim=0.707,
+    ),
+    "no-truncate": dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=128, truncate=False,
+        beta_fast=16,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", YARNS.values(), ids=YARNS.keys())
+def test_yarn_is_bit_identical_to_transformers_in_float32(scaling):
+    """YaRN's blended frequencies and the attention factor on cos/sin, as transformers'."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as modeling
+
+    gen, seed = fresh_generator()
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITION, rope_parameters={"rope_theta": 10000.0, **scaling},
+    )  # fmt: skip
+    hf_rope = modeling.LlamaRotaryEmbedding(config)
+    positions = torch.randint(0, MAX_POSITION, (11,), generator=gen)
+    query, key = torch.randn(11, 4, 64, generator=gen), torch.randn(11, 2, 64, generator=gen)
+    cos, sin = hf_rope(query, positions[None])
+    hf_q, hf_k = modeling.apply_rotary_pos_emb(
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], cos, sin
+    )
+    rope = ek.RotaryEmbedding(64, 64, MAX_POSITION, 10000.0, True, scaling)
+    q, k = rope(positions, query, key)
+    assert torch.equal(q, hf_q[0].transpose(0, 1)), f"seed {seed}"
+    assert torch.equal(k, hf_k[0].transpose(0, 1)), f"seed {seed}"
+
+
 def test_rejects_unsupported_or_incomplete_scaling():
     with pytest.raises(ValueError, match="rope_scaling"):
         ek.RotaryEmbedding(64, 64, 128, 10000.0, rope_scaling={"rope_type": "yarn", "factor": 2})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        ek.RotaryEmbedding(64, 64, 128, 10000.0, rope_scaling={"rope_type": "dynamic"})
     with pytest.raises(ValueError, match="rope_scaling"):
         ek.RotaryEmbedding(64, 64, 128, 10000.0, rope_scaling={"rope_type": "llama3"})
     with pytest.raises(ValueError, match="rotary_dim"):

@@ -14,6 +14,7 @@ def test_cli_round_trip_sets_every_field():
             "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
             "--served-model-name", "tiny", "--seed", "7", "--scheduling-policy", "priority",
             "--num-threads", "3", "-tp", "2", "--pipeline-parallel-size", "3",
+            "--enable-expert-parallel",
             "--distributed-executor-backend", "ray", "--no-async-scheduling",
             "--gpu-memory-utilization", "0.5", "--prefix-caching-hash-algo", "xxhash64",
         ]
@@ -35,6 +36,7 @@ def test_cli_round_trip_sets_every_field():
         num_threads=3,
         tensor_parallel_size=2,
         pipeline_parallel_size=3,
+        enable_expert_parallel=True,
         distributed_executor_backend="ray",
         async_scheduling=False,
         gpu_memory_utilization=0.5,
@@ -87,6 +89,7 @@ def test_defaults_derive_from_model():
         ("num_threads", 0),
         ("tensor_parallel_size", 0),
         ("pipeline_parallel_size", "2"),
+        ("enable_expert_parallel", "yes"),
         ("distributed_executor_backend", "threads"),
         ("prefix_caching_hash_algo", "md5"),
         ("scheduling_policy", "lifo"),

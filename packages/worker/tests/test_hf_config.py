@@ -34,6 +34,11 @@ ARCHITECTURES = {
     "qwen3": ["Qwen3ForCausalLM", "Qwen3ForSequenceClassification"],
     "gemma2": ["Gemma2ForCausalLM"],
     "gemma3_text": ["Gemma3ForCausalLM"],
+    "mixtral": ["MixtralForCausalLM"],
+    "qwen2_moe": ["Qwen2MoeForCausalLM"],
+    "qwen3_moe": ["Qwen3MoeForCausalLM"],
+    "deepseek_v2": ["DeepseekV2ForCausalLM"],
+    "deepseek_v3": ["DeepseekV3ForCausalLM"],
 }
 # Fields a transformers class types as a plain int: it refuses the config when they are null.
 NULL_REFUSED = {
@@ -41,6 +46,8 @@ NULL_REFUSED = {
     "qwen3": ("head_dim",),
     "gemma2": ("num_key_value_heads", "head_dim"),
     "gemma3_text": ("num_key_value_heads", "head_dim"),
+    "mixtral": ("num_key_value_heads",),
+    "qwen3_moe": ("num_key_value_heads",),
 }
 ABSENT = object()
 ROPES = [
@@ -80,6 +87,36 @@ CHOICES = {
     "torch_dtype": [ABSENT, "float16"],
 }
 
+# Mixture-of-experts fields, and the model types that refuse sliding windows (left out for them).
+MOE_CHOICES = {
+    "num_experts": [ABSENT, 4],
+    "num_local_experts": [ABSENT, 6],
+    "num_experts_per_tok": [ABSENT, 1, 3],
+    "moe_intermediate_size": [ABSENT, 48],
+    "shared_expert_intermediate_size": [ABSENT, 80],
+    "norm_topk_prob": [ABSENT, True, False],
+    "decoder_sparse_step": [ABSENT, 2],
+    "mlp_only_layers": [ABSENT, [0]],
+}
+DEEPSEEK_CHOICES = {
+    "n_routed_experts": [ABSENT, 8],
+    "num_experts_per_tok": [ABSENT, 2],
+    "n_group": [ABSENT, 4],
+    "topk_group": [ABSENT, 2],
+    "n_shared_experts": [ABSENT, 1, 2],
+    "first_k_dense_replace": [ABSENT, 1],
+    "q_lora_rank": [ABSENT, None, 32],
+    "kv_lora_rank": [ABSENT, 48],
+    "qk_rope_head_dim": [ABSENT, 16],
+    "qk_nope_head_dim": [ABSENT, 32],
+    "v_head_dim": [ABSENT, 24],
+    "routed_scaling_factor": [ABSENT, 2.5],
+    "norm_topk_prob": [ABSENT, True, False],
+    "topk_method": [ABSENT, "greedy", "group_limited_greedy"],
+    "rope_interleave": [ABSENT, False],
+}
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
+
 
 def _variants(model_type: str, count: int) -> list[dict]:
     """The bare config (every default), then ``count`` random ones."""
@@ -87,10 +124,17 @@ def _variants(model_type: str, count: int) -> list[dict]:
     variants = [{"model_type": model_type, "architectures": ARCHITECTURES[model_type][:1]}]
     for _ in range(count):
         raw = {"model_type": model_type, "architectures": [rng.choice(ARCHITECTURES[model_type])]}
-        for field, values in CHOICES.items():
+        deepseek = model_type.startswith("deepseek")
+        moe = deepseek or model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+        extra = DEEPSEEK_CHOICES if deepseek else MOE_CHOICES if moe else {}
+        for field, values in {**CHOICES, **extra}.items():
             value = rng.choice(values)
-            if value is not ABSENT:
+            # DeepSeek's head_dim is its rotary part (qk_rope_head_dim), never set on its own.
+            skip = (moe and field in WINDOW_FIELDS) or (deepseek and field == "head_dim")
+            if value is not ABSENT and not skip:
                 raw[field] = value
+        if moe and "num_experts" in raw and "num_local_experts" in raw:
+            del raw["num_local_experts"]  # one name per config.json
         if "num_attention_heads" not in raw and "hidden_size" in raw:
             raw["num_attention_heads"] = 4  # the default 32 heads do not divide 128
         for field in NULL_REFUSED.get(model_type, ()):
@@ -98,7 +142,7 @@ def _variants(model_type: str, count: int) -> list[dict]:
                 del raw[field]
         if "id2label" in raw and "num_labels" in raw:
             del raw["num_labels"]  # transformers only warns when they disagree
-        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3:
+        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3 and not moe:
             raw["layer_types"] = ["full_attention", "sliding_attention", "full_attention"]
         raw.update(json.loads(json.dumps(rng.choice(ROPES))))
         variants.append(raw)

@@ -10,12 +10,24 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from ember_server.cli.demo_model import LLAMA_CONFIG, random_model_path, tokenizer_path
+from ember_server.cli.demo_model import (
+    LLAMA_CONFIG,
+    _write_atomically,
+    random_model_path,
+    tokenizer_path,
+)
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # With tied embeddings and small weights the residual stream stays close to the input token's
 # embedding, so greedy decoding repeats one or two tokens; larger weights let the layers decide.
 _TIED = dict(tie_word_embeddings=True, initializer_range=0.2)
+_DEEPSEEK = dict(
+    tie_word_embeddings=False, initializer_range=0.2, num_hidden_layers=3, num_key_value_heads=4,
+    kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": LLAMA_CONFIG,
     "mistral": dict(tie_word_embeddings=False, sliding_window=None, head_dim=16),
@@ -33,9 +45,40 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=24, num_hidden_layers=4,
         sliding_window_pattern=2, rope_local_base_freq=500.0,
     ),
+    # Mixture-of-experts: 4 experts, 2 per token, small experts; Qwen2-MoE with a shared expert
+    # and a dense layer (mlp_only_layers), Qwen3-MoE with renormalized weights (norm_topk_prob).
+    # Weights large enough that greedy continuations hold many distinct tokens.
+    "mixtral": dict(
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, head_dim=16, initializer_range=0.2,
+    ),
+    "qwen2_moe": dict(
+        use_sliding_window=False, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96,
+        mlp_only_layers=[1], norm_topk_prob=False, initializer_range=0.2,
+    ),
+    "qwen3_moe": dict(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, initializer_range=0.25,
+    ),
+    # DeepSeek: multi-head latent attention (latent 48 + rotary 16 per token), a dense first layer
+    # (first_k_dense_replace), 8 experts in 4 groups (2 groups per token), a shared expert. V2
+    # without q_lora_rank, group-limited softmax routing and YaRN rope scaling with its softmax
+    # mscale; V3 with q_lora_rank, sigmoid routing and renormalized weights.
+    "deepseek_v2": dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+        rope_scaling=dict(
+            type="yarn", factor=4.0, original_max_position_embeddings=256, beta_fast=32,
+            beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+        ),
+    ),
+    "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=32, norm_topk_prob=True),  # + a correction bias
 }  # fmt: skip
 # Models whose layers keep different things in the KV cache (sliding and global layers).
 HYBRID_ARCHITECTURES = ("gemma2", "gemma3_text")
+# The mixture-of-experts architectures among ARCH_CONFIGS (not in ARCHITECTURES, whose fixture
+# runs every dense-model test once per architecture).
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The benchmarks' Llama of about 30M parameters (with ``tiny_model_path("llama", ...)``): 9 layers of
 # hidden 512, 8 query / 4 KV heads of 64, MLP 1536; large enough that a step's compute, not the
@@ -81,6 +124,7 @@ __all__ = [
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
     "HYBRID_ARCHITECTURES",
+    "MOE_ARCHITECTURES",
     "QWEN_05B_CONFIG",
     "QWEN_15B_CONFIG",
     "tiny_classifier_path",
@@ -99,7 +143,34 @@ def tiny_model_path(
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"arch must be one of {tuple(ARCH_CONFIGS)}, got {arch!r}")
-    return random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
+    path = random_model_path(arch, seed, max_shard_size, **{**ARCH_CONFIGS[arch], **overrides})
+    if arch == "deepseek_v3":
+        return _with_correction_bias(path, seed)
+    return path
+
+
+def _with_correction_bias(path: pathlib.Path, seed: int) -> pathlib.Path:
+    """A copy of a DeepSeek-V3 folder whose routers' ``e_score_correction_bias`` (zero as
+    transformers initializes it) is random, so that it changes which experts tokens choose."""
+
+    def write(out: pathlib.Path) -> None:
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        gen = torch.Generator().manual_seed(seed)
+        for item in path.iterdir():
+            if item.suffix != ".safetensors":
+                shutil.copy2(item, out / item.name)
+                continue
+            tensors = load_file(item)
+            for name, tensor in tensors.items():
+                if name.endswith("e_score_correction_bias"):
+                    tensors[name] = (torch.rand(tensor.shape, generator=gen) - 0.5) * 0.4
+            save_file(tensors, out / item.name, metadata={"format": "pt"})
+
+    return _write_atomically(path.parent / f"{path.name}-bias", write)
 
 
 def tiny_classifier_path(

@@ -7,13 +7,15 @@ import math
 import torch
 
 from ember_kernels import ops
+from ember_kernels.yarn import yarn_parameters
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The keys each rope type needs in a Hugging Face rope-parameters dict (others are ignored).
 _KEYS = {
     "default": set(),
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"original_max_position_embeddings"},
 }
 
 
@@ -23,8 +25,9 @@ class RotaryEmbedding(torch.nn.Module):
     ``is_neox_style`` rotates the halves ``(x[:d/2], x[d/2:d])`` (NeoX, Llama); otherwise adjacent
     pairs ``(x[0::2], x[1::2])`` (GPT-J). Only the first ``rotary_dim`` dims of each head rotate.
     ``rope_scaling`` is a Hugging Face rope dict (``rope_type`` or legacy ``type``): "default",
-    "linear" or "llama3". Frequencies and the cos/sin cache are computed in float32 exactly as
-    Hugging Face transformers computes them, then stored in ``dtype``.
+    "linear", "llama3" or "yarn" (whose attention factor scales cos and sin). Frequencies and the
+    cos/sin cache are computed in float32 exactly as Hugging Face transformers computes them, then
+    stored in ``dtype``.
     """
 
     def __init__(
@@ -48,10 +51,18 @@ class RotaryEmbedding(torch.nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.is_neox_style = is_neox_style
-        inv_freq = compute_inv_freq(rotary_dim, base, rope_scaling)
+        scaling = dict(rope_scaling or {})
+        if scaling.get("rope_type", scaling.get("type")) == "yarn":
+            _check_keys("yarn", scaling)
+            inv_freq, factor = yarn_parameters(rotary_dim, base, scaling, max_position)
+        else:
+            inv_freq, factor = compute_inv_freq(rotary_dim, base, rope_scaling), 1.0
         # position * inv_freq as one float32 product, as transformers' rotary embedding does.
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        cache = torch.cat([cos, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
@@ -101,9 +112,11 @@ def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) ->
             f"rope_scaling: rope_type {rope_type!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    missing = _KEYS[rope_type] - scaling.keys()
-    if missing:
-        raise ValueError(f"rope_scaling: rope_type {rope_type!r} needs {sorted(missing)}")
+    _check_keys(rope_type, scaling)
+    if rope_type == "yarn":
+        return yarn_parameters(
+            rotary_dim, base, scaling, scaling["original_max_position_embeddings"]
+        )[0]
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
@@ -122,3 +135,9 @@ def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None) ->
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _check_keys(rope_type: str, scaling: dict) -> None:
+    missing = _KEYS[rope_type] - scaling.keys()
+    if missing:
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} needs {sorted(missing)}")

@@ -28,6 +28,8 @@ _QWEN_SHAPE = dict(
     max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
     max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None,
 )  # fmt: skip
+# The MoE classes derive these differently from Qwen2/3; Ember refuses their sliding windows.
+_QWEN_WINDOW_FIELDS = ("sliding_window", "layer_types", "max_window_layers")
 
 _GEMMA_SHAPE = dict(
     hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -55,7 +57,53 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(_GEMMA_SHAPE, vocab_size=262208, max_position_embeddings=131072,
         final_logit_softcapping=None, attn_logit_softcapping=None,
     ),
+    "mixtral": dict(
+        _LLAMA_SHAPE, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        {k: v for k, v in _QWEN_SHAPE.items() if k not in (*_QWEN_WINDOW_FIELDS, "head_dim")},
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], qkv_bias=True,
+    ),
+    "qwen3_moe": dict(
+        {k: v for k, v in _QWEN_SHAPE.items() if k not in (*_QWEN_WINDOW_FIELDS, "head_dim")},
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, sliding_window=None, attention_bias=False, num_local_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "deepseek_v2": dict(
+        _LLAMA_SHAPE, vocab_size=102400, intermediate_size=11008, num_key_value_heads=None,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, attention_bias=False,
+        mlp_bias=False, first_k_dense_replace=0, kv_lora_rank=512, q_lora_rank=1536,
+        n_group=None, topk_group=None, topk_method="greedy", n_routed_experts=64,
+        n_shared_experts=2, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        routed_scaling_factor=1.0, norm_topk_prob=False, num_experts_per_tok=None,
+        moe_intermediate_size=1407,
+    ),
+    "deepseek_v3": dict(
+        _LLAMA_SHAPE, vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, attention_bias=False,
+        first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, n_group=8, topk_group=4,
+        n_routed_experts=256, n_shared_experts=1, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts_per_tok=8,
+        moe_intermediate_size=2048, rope_interleave=True,
+    ),
 }  # fmt: skip
+# model_type -> {name a config.json may use: the name its transformers class stores it under}.
+_ATTRIBUTE_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "deepseek_v2": {"num_experts": "n_routed_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+}
+# Model types whose transformers class defaults ``rope_theta`` to other than 10,000.
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6}
 
 
 # RoPE types whose parameters carry the context length the model was trained on.
@@ -133,9 +181,16 @@ def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
             f"model type {model_type!r} (architectures {raw.get('architectures')}) is not "
             f"supported; Ember runs model types {sorted(MODEL_TYPE_DEFAULTS)}"
         )
+    raw = dict(raw)
+    for alias, name in _ATTRIBUTE_ALIASES.get(model_type, {}).items():
+        if alias in raw:
+            raw.setdefault(name, raw.pop(alias))
     config = {**defaults, **raw}
+    config.setdefault("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
+    if model_type in ("deepseek_v2", "deepseek_v3"):  # the rotary part of a query/key head
+        config["head_dim"] = config["qk_rope_head_dim"]
     if model_type in ("llama", "mistral") and config.get("head_dim") is None:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     if model_type in ("qwen2", "qwen3"):

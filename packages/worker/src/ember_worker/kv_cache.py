@@ -26,24 +26,35 @@ class KVCacheSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    # 2: a key and a value tensor per layer; 1: one tensor read as both (MLA's latent cache).
+    tensors_per_layer: int = 2
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, block_size: int) -> KVCacheSpec:
         """This rank's share: its pipeline stage's layers and its tensor-parallel KV heads."""
         layers = loaded.model.local_layers
+        attention = loaded.model.model.layers[layers.start].self_attn
         return cls(
             num_layers=len(layers),
             block_size=block_size,
-            num_kv_heads=loaded.model.model.layers[layers.start].self_attn.num_kv_heads,
-            head_size=loaded.config.head_dim,
+            num_kv_heads=attention.attn.num_kv_heads,
+            head_size=attention.attn.head_size,
             dtype=loaded.dtype,
+            tensors_per_layer=1 if getattr(attention, "latent_cache", False) else 2,
         )
 
     @property
     def bytes_per_block(self) -> int:
         """Key and value bytes of one block across all layers."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element
+        return (
+            self.tensors_per_layer
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_size
+            * element
+        )
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         if memory_bytes <= 0:
@@ -74,10 +85,11 @@ def kv_cache_budget(
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key_cache, value_cache) pair per layer, zero-filled, from a single allocation."""
+    """One (key_cache, value_cache) pair per layer, zero-filled, from a single allocation; with
+    one tensor per layer (MLA), the pair is that tensor twice."""
     shape = (
         spec.num_layers,
-        2,
+        spec.tensors_per_layer,
         num_blocks,
         spec.block_size,
         spec.num_kv_heads,
@@ -87,7 +99,7 @@ def allocate_kv_cache(
         storage = _zeroed_cpu_tensor(shape, spec.dtype)
     else:
         storage = torch.zeros(shape, dtype=spec.dtype, device=device)
-    return [(storage[i, 0], storage[i, 1]) for i in range(spec.num_layers)]
+    return [(storage[i, 0], storage[i, -1]) for i in range(spec.num_layers)]
 
 
 def copy_kv_blocks(

@@ -22,6 +22,7 @@ from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 from ember_worker.models.gemma import GemmaConfig, GemmaForCausalLM
+from ember_worker.models.moe_config import with_expert_parallel
 from ember_worker.quantization import check_quantization, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def load_model(
     revision: str | None = None,
     pack_weights: bool = False,
     quantization: str | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
 
@@ -132,11 +134,12 @@ def load_model(
     ``pack_weights`` then packs the linear weights for oneDNN where it can (float32 on the CPU;
     ``DecoderForCausalLM.pack_linear_weights``), as the engine does; off, every weight stays a
     plain tensor. ``quantization`` (``ember_worker.quantization``) is applied after loading,
-    before packing; packing leaves int8 weights as they are."""
+    before packing; packing leaves int8 weights as they are. ``expert_parallel`` places whole
+    experts of a mixture-of-experts model on the ``tp`` ranks (``MoeConfig.expert_parallel``)."""
     check_quantization(quantization)
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
-    config = DecoderConfig.from_hf_config(hf_config)
+    config = with_expert_parallel(DecoderConfig.from_hf_config(hf_config), expert_parallel)
     torch_dtype, why = choose_dtype(dtype, hf_config, device)
     logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM

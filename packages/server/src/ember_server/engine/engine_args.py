@@ -93,6 +93,9 @@ class EngineArgs:
     pooling_type: str = "last"  # how embeddings pool the prompt: last token, mean, or cls
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Mixture-of-experts layers: whole experts split over the tensor-parallel ranks (vLLM's flag)
+    # instead of every expert's intermediate dimension.
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None  # uni, mp or ray; None: uni or mp by ranks
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
     speculative_config: SpeculativeConfig | None = None
@@ -141,6 +144,11 @@ class EngineArgs:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"EngineArgs.{name} must be one of {choices}, got {value!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                "EngineArgs.enable_expert_parallel must be a bool, got "
+                f"{self.enable_expert_parallel!r}"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
         if self.speculative_config is not None:
@@ -322,6 +330,13 @@ class EngineArgs:
             type=int,
             default=1,
             help="Pipeline stages that split the layers.",
+        )
+        group.add_argument(
+            "--enable-expert-parallel",
+            action="store_true",
+            help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+            "(an equal, contiguous share each; shared experts stay split) instead of splitting "
+            "every expert.",
         )
         group.add_argument(
             "--distributed-executor-backend",

@@ -93,7 +93,9 @@ def make_worker_config(
         if args.num_threads
         else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
-    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size)
+    parallel = ParallelConfig(
+        args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
+    )
     if parallel.world_size > 1:
         # The ranks share this process's cores, each with the same count for every step.
         step_threads = StepThreads(max(1, step_threads.small // parallel.world_size))

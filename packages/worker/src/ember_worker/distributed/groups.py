@@ -21,14 +21,21 @@ from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):
-    """How many tensor-parallel ranks per stage and how many pipeline stages."""
+    """How many tensor-parallel ranks per stage, how many pipeline stages, and whether MoE
+    layers split their experts over the tensor-parallel ranks (expert parallelism)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Mixture-of-experts layers: whole experts per tensor-parallel rank (``models.moe``).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             check_int(name, getattr(self, name))
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -142,6 +142,7 @@ class Worker:
             pp=groups.pp,
             pack_weights=True,
             quantization=config.quantization,
+            expert_parallel=config.parallel.enable_expert_parallel,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len

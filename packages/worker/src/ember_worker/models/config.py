@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ember_worker.models.mla_config import MlaConfig
+from ember_worker.models.moe_config import MoeConfig
+
 # Architecture name in config.json -> switches that are fixed for that architecture (the rest is
 # read from the config itself).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -15,6 +18,11 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     # Built by ember_worker.models.gemma (interleaved local / global layers).
     "Gemma2ForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Gemma3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "MixtralForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "Qwen2MoeForCausalLM": dict(qkv_bias=True, qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "DeepseekV2ForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
 }
 
 # A sequence classifier is the same decoder with a ``score`` head: architecture -> its decoder's.
@@ -49,6 +57,8 @@ class DecoderConfig:
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     num_labels: int | None = None  # a sequence classifier's (its score head's outputs)
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model
+    mla: MlaConfig | None = None  # DeepSeek's multi-head latent attention
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> DecoderConfig:
@@ -89,13 +99,16 @@ class DecoderConfig:
             rotary_dim=int(head_dim * partial),
             rope_scaling=scaling,
             max_position_embeddings=hf_config.max_position_embeddings,
-            qkv_bias=switches["qkv_bias"] or attention_bias,
-            o_proj_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            qkv_bias=(switches["qkv_bias"] and getattr(hf_config, "qkv_bias", True))
+            or attention_bias,
+            o_proj_bias=attention_bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=switches["qk_norm"],
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             sliding_windows=_sliding_windows(hf_config),
             num_labels=hf_config.num_labels if classifier is not None else None,
+            moe=MoeConfig.from_hf_config(hf_config, arch),
+            mla=MlaConfig.from_hf_config(hf_config, arch),
         )
 
 

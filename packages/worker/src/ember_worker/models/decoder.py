@@ -1,7 +1,10 @@
-"""One pre-norm decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3.
+"""One pre-norm decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3, and with
+mixture-of-experts layers (``models.moe``) and latent attention (``models.mla``) Mixtral,
+Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3.
 
 The architectures differ only in switches of ``DecoderConfig``: q/k/v bias (Qwen2), per-head
-q/k RMSNorm (Qwen3), RoPE scaling (Llama 3), sliding windows (Mistral) and tied embeddings.
+q/k RMSNorm (Qwen3), RoPE scaling (Llama 3), sliding windows (Mistral) and tied embeddings; a
+layer's attention and feed-forward block are picked by ``config.mla`` and ``config.moe``.
 Tokens of all sequences are concatenated into one ``[num_tokens, hidden]`` batch (no padding);
 attention reads and writes the paged KV cache through ``ember_kernels``.
 """
@@ -28,23 +31,10 @@ from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.cpu_stack import build_cpu_stack
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale, through ``ember_kernels``."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: the norm of ``x``. With it: (norm of x + residual, x + residual)."""
-        if residual is None:
-            return ek.rms_norm(x, self.weight, self.eps)
-        return ek.fused_add_rms_norm(x, residual, self.weight, self.eps)
+from ember_worker.models.mla import MlaAttention
+from ember_worker.models.mlp import DecoderMLP
+from ember_worker.models.moe import FusedExperts, SparseMoeBlock, expert_weight_target
+from ember_worker.models.norm import RMSNorm
 
 
 class DecoderAttention(nn.Module):
@@ -114,23 +104,6 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out)
 
 
-class DecoderMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
-
-    def __init__(self, config: DecoderConfig, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, tp=tp, dtype=dtype
-        )
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=config.mlp_bias, tp=tp, dtype=dtype
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ek.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried alongside so norms fuse the addition."""
 
@@ -138,8 +111,10 @@ class DecoderLayer(nn.Module):
         self, config: DecoderConfig, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_index, tp, dtype)
-        self.mlp = DecoderMLP(config, tp, dtype)
+        attention = DecoderAttention if config.mla is None else MlaAttention
+        self.self_attn = attention(config, layer_index, tp, dtype)
+        sparse = config.moe is not None and config.moe.sparse_layers[layer_index]
+        self.mlp = SparseMoeBlock(config, tp, dtype) if sparse else DecoderMLP(config, tp, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -298,6 +273,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 pack_weight(module)
+            elif isinstance(module, FusedExperts):
+                module.pack_weights()
         if self.lm_head is not None and (
             not self.shares_embedding or self.lm_head.weight.dtype in TIED_HEAD_COPY_DTYPES
         ):
@@ -347,12 +324,13 @@ class DecoderForCausalLM(nn.Module):
                 continue  # older checkpoints store RoPE frequencies; they are recomputed
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            name = self._stage_name(name)
+            # Mixtral names its MoE block block_sparse_moe; the other architectures name it mlp.
+            name = self._stage_name(name.replace(".block_sparse_moe.", ".mlp."))
             if name is None:
                 continue
-            target, shard = name, None
-            for part, merged, shard_id in _MERGED_WEIGHTS:
-                if part in name:
+            target, shard = expert_weight_target(name) or (name, None)
+            for part, merged, shard_id in _MERGED_WEIGHTS if shard is None else ():
+                if part in name and name.replace(part, merged) in params:
                     target, shard = name.replace(part, merged), shard_id
                     break
             param = params.get(target)
@@ -401,6 +379,8 @@ class DecoderForCausalLM(nn.Module):
                     continue
                 if isinstance(module, QKVParallelLinear):
                     needed = [f"{full}[{s}]" for s in QKVParallelLinear.SHARD_IDS]
+                elif hasattr(module, "checkpoint_shards"):  # experts: one per expert and part
+                    needed = [f"{full}[{s}]" for s in module.checkpoint_shards(pname)]
                 elif isinstance(module, MergedColumnParallelLinear):
                     needed = [f"{full}[{i}]" for i in range(len(module.shard_sizes))]
                 else:
