@@ -57,6 +57,26 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
+        request_id = random_id("chatcmpl")
+        num_prompt_tokens, outputs = await self.submit(request, request_id)
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, num_prompt_tokens, outputs),
+                media_type=MEDIA_TYPE,
+            )
+        try:
+            final = await until_disconnect(self.last(outputs), raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise self.engine_failure(exc) from exc
+        return JSONResponse(self._response(request, request_id, final).model_dump())
+
+    async def submit(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[int, AsyncIterator[RequestOutput]]:
+        """Check ``request``, render its prompt and start generating: the prompt's length and
+        the outputs (the other chat-shaped routes, Anthropic's Messages, start here too)."""
         self.check_request(request)
         if self._parses_calls(request) and self.tool_parser is None:
             raise OpenAIError(
@@ -68,25 +88,13 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens = len(prompt.token_ids)
         max_tokens = self.max_tokens_for(request.requested_max_tokens, num_prompt_tokens, None)
         params = self.sampling_params(request.to_sampling_params, max_tokens)
-        request_id = random_id("chatcmpl")
         outputs = self.generate(
             prompt, params, request_id, request.priority, request.stream, request.structured_field
         )
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request, request_id, num_prompt_tokens, outputs),
-                media_type=MEDIA_TYPE,
-            )
-        try:
-            final = await until_disconnect(self._last(outputs), raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            raise self.engine_failure(exc) from exc
-        return JSONResponse(self._response(request, request_id, final).model_dump())
+        return num_prompt_tokens, outputs
 
     @staticmethod
-    async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = None
         async for final in outputs:  # noqa: B007 - only the final output is wanted
             pass
@@ -106,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
         """Whether calls are parsed out of free text (tools given, ``tool_choice`` auto)."""
         return bool(request.tools) and request.tool_choice in (None, "auto")
 
-    def _message(
+    def message(
         self, request: ChatCompletionRequest, output: CompletionOutput
     ) -> tuple[ChatResponseMessage, str | None]:
         """The message of a finished choice, and its finish reason (``tool_calls`` for calls)."""
@@ -121,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
                 return ChatResponseMessage(role=ROLE, content=content, tool_calls=calls), reason
         return ChatResponseMessage(role=ROLE, content=text), finish_reason
 
-    def _call_stream(self, request: ChatCompletionRequest):
+    def call_stream(self, request: ChatCompletionRequest):
         """The tool-call stream of one choice, or None when its text streams as it is."""
         if request.forced_function is not None:
             return NamedCallStream(request.forced_function)
@@ -136,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         choices = []
         for output in sorted(final.outputs, key=lambda o: o.index):
-            message, finish_reason = self._message(request, output)
+            message, finish_reason = self.message(request, output)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=output.index,
@@ -147,7 +155,9 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         usage = UsageInfo.of(
-            len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)
+            len(final.prompt_token_ids),
+            sum(len(o.token_ids) for o in final.outputs),
+            final.num_cached_tokens,
         )
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage
@@ -164,15 +174,16 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionStreamResponse, request_id, int(time.time()), self.model_name
         )
         chunk = events.chunk
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         finished: set[int] = set()
         continuous = request.include_usage and request.stream_options.continuous_usage_stats
-        call_streams = {index: self._call_stream(request) for index in range(request.n)}
+        call_streams = {index: self.call_stream(request) for index in range(request.n)}
         try:
             for index in range(request.n):
                 role = DeltaMessage(role=ROLE, content="")
                 yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
             async for delta in outputs:
+                cached_tokens = delta.num_cached_tokens
                 for output in delta.outputs:
                     if output.index in finished:
                         continue
@@ -182,7 +193,9 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if output.finish_reason is not None:
                         finished.add(output.index)
-                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+                    usage = None
+                    if continuous:
+                        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)
                     call_stream = call_streams[output.index]
                     if call_stream is None and not request.logprobs:  # the per-token hot path
                         stop_reason = output.stop_reason if output.finish_reason else None
@@ -202,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                         yield chunk([choice], usage)
             if request.include_usage:
-                yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
+                yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens))
         except Exception as exc:
             error = self.engine_failure(exc)
             yield sse_event(error_body(error.message, error.status, error.param))

@@ -128,7 +128,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        usage = UsageInfo.of(prompt_tokens, completion_tokens)
+        cached_tokens = sum(final.num_cached_tokens for final in finals)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens)
         return CompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
@@ -146,10 +147,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         completion_tokens = 0
         text_offsets: dict[int, int] = {}
+        cached: dict[int, int] = {}  # prompt index -> its prefix-cache hit tokens
         finished: set[int] = set()
         continuous = request.include_usage and request.stream_options.continuous_usage_stats
         try:
             async for prompt_index, delta in merge_async_iterators(*streams):
+                cached[prompt_index] = delta.num_cached_tokens
                 for output in delta.outputs:
                     index = prompt_index * request.n + output.index
                     if index in finished:
@@ -182,10 +185,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                     if output.finish_reason is not None:
                         finished.add(index)
-                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+                    usage = None
+                    if continuous:
+                        usage = UsageInfo.of(prompt_tokens, completion_tokens, sum(cached.values()))
                     yield events.chunk([choice], usage)
             if request.include_usage:
-                yield events.chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
+                usage = UsageInfo.of(prompt_tokens, completion_tokens, sum(cached.values()))
+                yield events.chunk([], usage)
         except Exception as exc:
             error = self.engine_failure(exc)
             yield sse_event(error_body(error.message, error.status, error.param))
