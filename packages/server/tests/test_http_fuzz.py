@@ -1,7 +1,8 @@
-"""Fuzzed chat and completions bodies: roles, content shapes, unicode (lone surrogates included),
-special-token text and arbitrary nesting. Every body gets a 200 or a 4xx with an OpenAI error
-body, never a 5xx, and never a 200 stream carrying an error; good streams running beside the
-fuzz all complete."""
+"""Fuzzed chat, completions and Anthropic messages bodies: roles, content shapes, unicode (lone
+surrogates included), special-token text and arbitrary nesting. Every body gets a 200 or a 4xx
+with an error body in the route's shape (OpenAI's, or Anthropic's on ``/v1/messages``), never a
+5xx, and never a 200 stream carrying an error; good streams running beside the fuzz all
+complete."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.protocol_chat import CHAT_ROLES
 
 TIMEOUT = 60
+MODEL = "fuzzed"
 
 # Every code point, lone surrogates included, plus the template's own markers.
 _chars = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
@@ -69,16 +71,69 @@ prompt = st.one_of(
 completion_body = st.fixed_dictionaries(
     {"prompt": prompt, **sampling}, optional={**optional_sampling, "echo": json_values}
 )
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", ""])},
+    optional={
+        "text": st.one_of(text, json_values),
+        "id": st.one_of(text, json_values),
+        "name": st.one_of(text, json_values),
+        "input": json_values,
+        "tool_use_id": st.one_of(text, json_values),
+        "content": st.one_of(text, st.lists(part, max_size=2), json_values),
+    },
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), text),
+        "content": st.one_of(text, st.lists(block, max_size=3), json_values),
+    }
+)
+tool = st.fixed_dictionaries(
+    {"name": st.one_of(text, st.just("f"))},
+    optional={"input_schema": st.one_of(st.just({"type": "object"}), json_values)},
+)
+messages_body = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just(MODEL), json_values),
+        "messages": st.one_of(st.lists(anthropic_message, max_size=3), json_values),
+        **sampling,
+    },
+    optional={
+        "system": st.one_of(text, st.lists(part, max_size=2), json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+        "stop_sequences": st.one_of(st.lists(text, max_size=2), json_values),
+        "temperature": st.one_of(st.floats(-1, 3), json_values),
+        "top_k": st.one_of(st.integers(-2, 5), json_values),
+        "tools": st.one_of(st.lists(tool, max_size=2), json_values),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                optional={"name": st.one_of(text, st.just("f"))},
+            ),
+            json_values,
+        ),
+        "metadata": json_values,
+    },
+)
+MESSAGES_ROUTES = ["v1/messages", "v1/messages/count_tokens"]
 request = st.one_of(
     st.tuples(st.just("v1/chat/completions"), chat_body),
     st.tuples(st.just("v1/completions"), completion_body),
-    st.tuples(st.sampled_from(["v1/chat/completions", "v1/completions"]), json_values),
+    st.tuples(st.sampled_from(MESSAGES_ROUTES), messages_body),
+    st.tuples(
+        st.sampled_from(["v1/chat/completions", "v1/completions", *MESSAGES_ROUTES]), json_values
+    ),
 )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    args = EngineArgs(model=str(tiny_model("llama")), max_model_len=1024, kv_cache_memory=2**22)
+    args = EngineArgs(
+        model=str(tiny_model("llama")),
+        max_model_len=1024,
+        kv_cache_memory=2**22,
+        served_model_name=MODEL,
+    )
     with ServerThread(args) as running:
         yield running
 
@@ -103,18 +158,21 @@ class _GoodStreams(threading.Thread):
                 self.endings.append((reasons[-1] if reasons else None, events[-1]))
 
 
-def _check(response: httpx.Response) -> None:
+def _check(route: str, response: httpx.Response) -> None:
     status = response.status_code
     assert status < 500, response.text
-    if status >= 400:
+    if status >= 400 and route.startswith("v1/messages"):  # Anthropic's error shape
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["message"] and body["error"]["type"]
+    elif status >= 400:
         error = response.json()["error"]
         assert error["code"] == status and error["message"] and error["type"]
     elif response.headers["content-type"].startswith("text/event-stream"):
-        assert "error" not in response.text, response.text
+        assert "error" not in response.text, response.text  # nor Anthropic's "event: error"
 
 
 @settings(
-    max_examples=150,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -123,7 +181,7 @@ def _fuzz(client: httpx.Client, case) -> None:
     route, body = case
     # ensure_ascii writes lone surrogates as \ud800 escapes, as a hostile client would.
     raw = json.dumps(body, ensure_ascii=True)
-    _check(client.post(route, content=raw, headers={"content-type": "application/json"}))
+    _check(route, client.post(route, content=raw, headers={"content-type": "application/json"}))
 
 
 def test_fuzzed_bodies_never_get_a_5xx_while_good_streams_complete(server):

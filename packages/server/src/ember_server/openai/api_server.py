@@ -1,13 +1,14 @@
 """The FastAPI app of ``ember serve`` and the coroutine that runs it with uvicorn.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/classify``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, the agent APIs of ``agent_routes``
+(Anthropic's ``/v1/messages``), ``/v1/embeddings``, ``/classify``,
 ``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
 ``/detokenize``, ``/health`` (503 once the engine has failed; with data parallelism, each
 engine core's state, and 503 once none is left), ``/version`` and ``/metrics``.
 A ``generate`` engine answers the pooling routes too (embeddings of its decoder); a ``pooling``
 engine answers the generation routes with a 400.
 With an API key every route except ``/health``, ``/version`` and ``/metrics`` needs
-``Authorization: Bearer <key>`` (401 otherwise).
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ember_server
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.metrics import CONTENT_TYPE
+from ember_server.openai.agent_routes import add_agent_routes
 from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import install_error_handlers
@@ -101,6 +103,8 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    add_agent_routes(app, chat)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:

@@ -40,7 +40,7 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
             too_large = BodyTooLarge(self.max_bytes)
-            await error_response(too_large.detail, 413)(scope, receive, send)
+            await error_response(too_large.detail, 413, None, scope["path"])(scope, receive, send)
             return
         received = 0
 
