@@ -29,11 +29,13 @@ class ServerThread:
         api_key: str | None = None,
         tool_call_parser: str | None = None,
         max_body_size: int | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine_args = engine_args
         self.api_key = api_key
         self.tool_call_parser = tool_call_parser
         self.max_body_size = max_body_size
+        self.reasoning_parser = reasoning_parser
         self.engine: AsyncLLM | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
@@ -53,7 +55,13 @@ class ServerThread:
         self.loop = asyncio.get_running_loop()
         self.engine = await AsyncLLM.start(self.engine_args)
         try:
-            app = build_app(self.engine, self.api_key, self.tool_call_parser, self.max_body_size)
+            app = build_app(
+                self.engine,
+                self.api_key,
+                self.tool_call_parser,
+                self.max_body_size,
+                self.reasoning_parser,
+            )
             config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
             self._server = uvicorn.Server(config)
             await self._server.serve(sockets=[self._socket])

@@ -73,9 +73,11 @@ def build_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     max_body_size: int | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``);
-    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto).
+    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto),
+    ``reasoning_parser`` the model's thinking (``reasoning_content``).
 
     Bodies over ``max_body_size`` bytes (default: ``default_body_limit`` of the context length)
     get a 413 as soon as the Content-Length or the bytes received so far exceed it.
@@ -87,7 +89,7 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_size)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine, tool_call_parser)
+    chat = OpenAIServingChat(engine, tool_call_parser, reasoning_parser)
     common = OpenAIServing(engine)
     pooling = OpenAIServingPooling(engine)
 
@@ -189,6 +191,7 @@ async def run_server(
     tool_call_parser: str | None = None,
     shutdown_timeout: float | None = None,
     max_body_size: int | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Serve on ``listener`` until SIGTERM/SIGINT or the engine's death; the exit status (0
     stopped, 1 engine died). ``engines`` are the engine core processes ``launch_engines``
@@ -222,7 +225,7 @@ async def run_server(
             return 0
         stop.cancel()
         engine = starting.result()
-        app = build_app(engine, api_key, tool_call_parser, max_body_size)
+        app = build_app(engine, api_key, tool_call_parser, max_body_size, reasoning_parser)
         # Start-up objects (transformers, the tokenizer, FastAPI: ~390k) live as long as the
         # server: frozen, a full collection no longer scans them (such a scan stalls a stream).
         gc.collect()

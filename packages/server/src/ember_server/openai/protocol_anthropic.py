@@ -46,7 +46,16 @@ class ToolResultBlock(OpenAIRequest):
         return "".join(block.text for block in self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(OpenAIRequest):
+    """Thinking an earlier answer held, sent back by the client; left out of the prompt (as
+    chat templates leave out earlier turns' reasoning)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class AnthropicMessage(OpenAIRequest):
@@ -210,6 +219,15 @@ class ResponseTextBlock(OpenAIResponse):
     text: str
 
 
+class ResponseThinkingBlock(OpenAIResponse):
+    """The model's thinking (``--reasoning-parser``); unsigned, so a client sending it back
+    gets no verification."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ResponseToolUseBlock(OpenAIResponse):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -222,7 +240,7 @@ class MessagesResponse(OpenAIResponse):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[ResponseTextBlock | ResponseToolUseBlock]
+    content: list[ResponseThinkingBlock | ResponseTextBlock | ResponseToolUseBlock]
     stop_reason: str | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ember_server.engine.outputs import CompletionOutput, RequestOutput
+from ember_server.openai.chat_stream import ChoiceStream
 from ember_server.openai.errors import OpenAIError
 from ember_server.openai.protocol import random_id
 from ember_server.openai.protocol_anthropic import (
@@ -28,6 +29,7 @@ from ember_server.openai.protocol_anthropic import (
     MessagesRequest,
     MessagesResponse,
     ResponseTextBlock,
+    ResponseThinkingBlock,
     ResponseToolUseBlock,
 )
 from ember_server.openai.protocol_chat import ChatCompletionRequest, DeltaMessage
@@ -141,7 +143,9 @@ class AnthropicServingMessages:
         output: CompletionOutput,
     ) -> MessagesResponse:
         message, finish_reason = self.chat.message(chat_request, output)
-        content: list[ResponseTextBlock | ResponseToolUseBlock] = []
+        content: list[ResponseThinkingBlock | ResponseTextBlock | ResponseToolUseBlock] = []
+        if message.reasoning_content:
+            content.append(ResponseThinkingBlock(thinking=message.reasoning_content))
         if message.content:
             content.append(ResponseTextBlock(text=message.content))
         for call in message.tool_calls or []:
@@ -172,7 +176,7 @@ class AnthropicServingMessages:
         outputs: AsyncIterator[RequestOutput],
     ) -> AsyncIterator[str]:
         blocks = _ContentBlocks()
-        call_stream = self.chat.call_stream(chat_request)
+        choice = self.chat.choice_stream(chat_request) or ChoiceStream(None, None)
         output_tokens = cached_tokens = 0
         started = False
         try:
@@ -190,18 +194,11 @@ class AnthropicServingMessages:
                     yield _event(PING)
                 for output in delta.outputs:
                     output_tokens += len(output.token_ids)
-                    if call_stream is None:
-                        pieces = [DeltaMessage(content=output.text)]
-                        finish_reason = output.finish_reason
-                    else:
-                        pieces = [call_stream.feed(output.text)]
-                        finish_reason = None
-                        if output.finish_reason is not None:
-                            tail, finish_reason = call_stream.finish(output.finish_reason)
-                            pieces.append(tail)
-                    for piece in pieces:
+                    finish_reason = output.finish_reason
+                    for piece, reason in choice.pieces(output, False):
                         for event in blocks.feed(piece):
                             yield event
+                        finish_reason = reason or finish_reason
                     if output.finish_reason is None:
                         continue
                     for event in blocks.close():
@@ -227,7 +224,8 @@ def _tool_use_id(call_id: str) -> str:
 
 
 class _ContentBlocks:
-    """The content block events of one streamed message: text deltas go to a text block, each
+    """The content block events of one streamed message: thinking (with ``--reasoning-parser``)
+    goes to a thinking block, text deltas to a text block, each
     tool call to a tool_use block of its own (started with its id and name, then its input
     as ``input_json_delta`` pieces)."""
 
@@ -249,6 +247,12 @@ class _ContentBlocks:
         if piece is None:
             return []
         events: list[str] = []
+        if piece.reasoning_content:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(
+                self._delta({"type": "thinking_delta", "thinking": piece.reasoning_content})
+            )
         if piece.content:
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})

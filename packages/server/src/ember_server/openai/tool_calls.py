@@ -98,7 +98,7 @@ class ParsedCallStream:
         while True:
             start = self._buffer.find(parser.START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, parser.START)
+                keep = partial_suffix(self._buffer, parser.START)
                 content.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
@@ -171,7 +171,7 @@ class RequiredCallStream:
         return DeltaMessage(tool_calls=[_delta_call(0, call)]), TOOL_CALLS
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that begins ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
