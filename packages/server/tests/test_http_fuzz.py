@@ -46,7 +46,7 @@ message = st.fixed_dictionaries(
 )
 # max_tokens is always there and tiny when valid: a valid fuzz case must stay cheap.
 sampling = {
-    "max_tokens": st.one_of(st.integers(1, 2), json_values),
+    "max_tokens": st.one_of(st.integers(0, 2), json_values),
 }
 optional_sampling = {
     "stream": st.one_of(st.booleans(), json_values),
@@ -69,7 +69,13 @@ prompt = st.one_of(
     json_values,
 )
 completion_body = st.fixed_dictionaries(
-    {"prompt": prompt, **sampling}, optional={**optional_sampling, "echo": json_values}
+    {"prompt": prompt, **sampling},
+    optional={
+        **optional_sampling,
+        "echo": json_values,
+        "prompt_logprobs": st.one_of(st.integers(-1, 3), json_values),
+        "return_tokens_as_token_ids": json_values,
+    },
 )
 block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", ""])},

@@ -114,7 +114,11 @@ class OpenAIServingChat(OpenAIServing):
         if not request.logprobs:
             return None
         return chat_logprobs(
-            output.token_ids, output.logprobs or [], request.top_logprobs or 0, self.token_text
+            output.token_ids,
+            output.logprobs or [],
+            request.top_logprobs or 0,
+            self.token_text,
+            request.return_tokens_as_token_ids,
         )
 
     @staticmethod

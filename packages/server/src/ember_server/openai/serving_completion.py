@@ -11,11 +11,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.input_processor import TokenizedPrompt
-from ember_server.engine.outputs import RequestOutput
+from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.errors import error_body
-from ember_server.openai.logprobs import completion_logprobs
+from ember_server.openai.logprobs import completion_logprobs, vllm_prompt_logprobs
 from ember_server.openai.protocol import UsageInfo, random_id
 from ember_server.openai.protocol_completion import (
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -107,24 +108,20 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
             for output in sorted(final.outputs, key=lambda o: o.index):
+                if request.max_tokens == 0:  # the token generated for the prompt's sake
+                    output = dataclasses.replace(
+                        output, text="", token_ids=[], logprobs=[], finish_reason="length"
+                    )
                 completion_tokens += len(output.token_ids)
                 prefix = prompt.text if request.echo else ""
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs, _ = completion_logprobs(
-                        output.token_ids,
-                        output.logprobs or [],
-                        request.logprobs,
-                        len(prefix),
-                        self.token_text,
-                    )
                 choices.append(
                     CompletionResponseChoice(
                         index=prompt_index * request.n + output.index,
                         text=prefix + output.text,
-                        logprobs=logprobs,
+                        logprobs=self._logprobs(request, prompt, final, output, len(prefix)),
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(request, final),
                     )
                 )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -133,6 +130,49 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
+
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        prompt: _Prompt,
+        final: RequestOutput,
+        output: CompletionOutput,
+        text_offset: int,
+    ) -> CompletionLogProbs | None:
+        """A whole choice's logprobs: with ``echo``, the prompt's tokens first (the engine's
+        prompt logprobs; the first token's are None), then the generated ones; text offsets
+        count the tokens' text."""
+        if request.logprobs is None:
+            return None
+        as_ids = request.return_tokens_as_token_ids
+        echoed = None
+        if request.echo:  # offsets then run on over the prompt tokens' text (BOS included)
+            echoed, text_offset = completion_logprobs(
+                prompt.token_ids,
+                final.prompt_logprobs or [],
+                request.logprobs,
+                0,
+                self.token_text,
+                as_ids,
+            )
+        generated, _ = completion_logprobs(
+            output.token_ids,
+            output.logprobs or [],
+            request.logprobs,
+            text_offset,
+            self.token_text,
+            as_ids,
+        )
+        if echoed is None:
+            return generated
+        for name in CompletionLogProbs.model_fields:
+            getattr(echoed, name).extend(getattr(generated, name))
+        return echoed
+
+    def _prompt_logprobs(self, request: CompletionRequest, final: RequestOutput):
+        if request.prompt_logprobs is None or final.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(final.prompt_logprobs, self.token_text)
 
     async def _stream(
         self,
@@ -157,6 +197,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = prompt_index * request.n + output.index
                     if index in finished:
                         continue
+                    if request.max_tokens == 0:  # the token generated for the prompt's sake
+                        reason = output.finish_reason and "length"
+                        output = dataclasses.replace(
+                            output, text="", token_ids=[], logprobs=[], finish_reason=reason
+                        )
                     completion_tokens += len(output.token_ids)
                     text = output.text
                     if index not in text_offsets:
@@ -175,6 +220,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             request.logprobs,
                             text_offsets[index],
                             self.token_text,
+                            request.return_tokens_as_token_ids,
                         )
                         choice = CompletionResponseStreamChoice(
                             index=index,
