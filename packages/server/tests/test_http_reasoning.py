@@ -152,3 +152,24 @@ def test_anthropic_messages_answer_thinking_blocks(client, server):
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == thinking.thinking and final.content[1].text == text.text
     assert json.loads(whole.model_dump_json())["stop_reason"] == "end_turn"
+
+
+def test_responses_answer_a_reasoning_item_then_the_message(client):
+    expected = (
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=EXTRA, **BODY)
+        .choices[0]
+        .message
+    )
+    kwargs = dict(model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=120, temperature=0.0)
+    for stream in (False, True):
+        if stream:
+            events = list(client.responses.create(stream=True, extra_body=EXTRA, **kwargs))
+            response = events[-1].response
+            deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+            assert "".join(deltas) == expected.reasoning_content
+        else:
+            response = client.responses.create(extra_body=EXTRA, **kwargs)
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning"
+        assert reasoning.content[0].text == expected.reasoning_content
+        assert message.type == "message" and response.output_text == expected.content

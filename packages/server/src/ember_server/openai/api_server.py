@@ -1,7 +1,7 @@
 """The FastAPI app of ``ember serve`` and the coroutine that runs it with uvicorn.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, the agent APIs of ``agent_routes``
-(Anthropic's ``/v1/messages``), ``/v1/embeddings``, ``/classify``,
+(Anthropic's ``/v1/messages``, OpenAI's ``/v1/responses``), ``/v1/embeddings``, ``/classify``,
 ``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
 ``/detokenize``, ``/health`` (503 once the engine has failed; with data parallelism, each
 engine core's state, and 503 once none is left), ``/version`` and ``/metrics``.

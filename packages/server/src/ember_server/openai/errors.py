@@ -80,6 +80,13 @@ def from_value_error(exc: ValueError) -> OpenAIError:
     return OpenAIError(message, 400, match.group(1) if match else None)
 
 
+def from_validation_error(exc) -> OpenAIError:
+    """A 400 for a request model a route builds itself (the chat request an Anthropic or
+    Responses request amounts to) that does not validate (a pydantic ValidationError)."""
+    message, param = _describe_validation(RequestValidationError(exc.errors()))
+    return OpenAIError(message, 400, param)
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message (and the first field) from FastAPI's validation errors."""
     parts: list[str] = []

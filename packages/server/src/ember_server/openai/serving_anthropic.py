@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.chat_stream import ChoiceStream
-from ember_server.openai.errors import OpenAIError
+from ember_server.openai.errors import from_validation_error
 from ember_server.openai.protocol import random_id
 from ember_server.openai.protocol_anthropic import (
     AnthropicUsage,
@@ -105,10 +105,7 @@ class AnthropicServingMessages:
         try:
             return request.to_chat()
         except pydantic.ValidationError as exc:
-            error = exc.errors()[0]
-            field = ".".join(str(p) for p in error.get("loc", ()))
-            message = error.get("msg", "invalid value").removeprefix("Value error, ")
-            raise OpenAIError(message, 400, field or None) from exc
+            raise from_validation_error(exc) from exc
 
     async def count_tokens(self, request: CountTokensRequest) -> JSONResponse:
         chat_request = self._chat_request(request)
