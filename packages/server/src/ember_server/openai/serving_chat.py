@@ -144,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         if call is not None and finish_reason == "stop":
             return ChatResponseMessage(role=ROLE, tool_calls=[call]), TOOL_CALLS
         if self._parses_calls(request) and text:
-            content, calls = self.tool_parser.parse(text)
+            content, calls = self.tool_parser.parse(text, request.tools)
             if calls:
                 reason = TOOL_CALLS if finish_reason == "stop" else finish_reason
                 message = ChatResponseMessage(
@@ -169,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.forces_tool_call:
             return RequiredCallStream(request)
         if self._parses_calls(request):
-            return ParsedCallStream(self.tool_parser)
+            return ParsedCallStream(self.tool_parser, request.tools)
         return None
 
     def _response(
