@@ -75,6 +75,8 @@ completion_body = st.fixed_dictionaries(
         "echo": json_values,
         "prompt_logprobs": st.one_of(st.integers(-1, 3), json_values),
         "return_tokens_as_token_ids": json_values,
+        "use_beam_search": st.one_of(st.booleans(), json_values),
+        "length_penalty": st.one_of(st.floats(-2, 2), json_values),
     },
 )
 block = st.fixed_dictionaries(

@@ -22,6 +22,8 @@ class CompletionRequest(SamplingFields):
     suffix: Text | None = None
     add_special_tokens: bool = True
     prompt_logprobs: Int64 | None = None  # vLLM's: the prompt's logprobs, in ``prompt_logprobs``
+    use_beam_search: bool = False  # vLLM's: the n best beams (n is the beam width)
+    length_penalty: float = 1.0  # of beam search's score, cum_logprob / length ** penalty
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -33,6 +35,18 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo together with logprobs is not supported when streaming")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported when streaming")
+        if self.use_beam_search:
+            unsupported = {
+                "stream": self.stream,
+                "echo": self.echo,
+                "logprobs": self.logprobs is not None,
+                "prompt_logprobs": self.prompt_logprobs is not None,
+                "stop": bool(self.stop),
+                "structured_outputs": self.structured_field is not None,
+            }
+            named = [name for name, given in unsupported.items() if given]
+            if named:
+                raise ValueError(f"use_beam_search does not combine with {', '.join(named)}")
         if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
             raise ValueError("max_tokens 0 needs echo or prompt_logprobs (nothing to return)")
         return self

@@ -24,6 +24,7 @@ from ember_server.openai.protocol_completion import (
     CompletionStreamResponse,
 )
 from ember_server.openai.serving import OpenAIServing
+from ember_server.openai.serving_beam_search import beam_search_completion
 from ember_server.openai.sse import DONE, MEDIA_TYPE, StreamEvents, sse_event, text_choice
 from ember_server.openai.streams import ClientDisconnected, merge_async_iterators, until_disconnect
 
@@ -48,6 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request)
         prompts = [await self._prepare(request, prompt) for prompt in request.prompts()]
         request_id = random_id("cmpl")
+        if request.use_beam_search:
+            return await beam_search_completion(self, request, prompts, request_id, raw_request)
         streams = []
         try:
             for i, p in enumerate(prompts):
@@ -89,6 +92,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return _Prompt(
             text, tokenized, self.sampling_params(request.to_sampling_params, max_tokens)
         )
+
+    @staticmethod
+    async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        final = None
+        async for final in stream:  # noqa: B007 - only the final output is wanted
+            pass
+        return final
 
     @staticmethod
     async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
