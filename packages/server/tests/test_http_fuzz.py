@@ -90,10 +90,11 @@ block = st.fixed_dictionaries(
         "content": st.one_of(text, st.lists(part, max_size=2), json_values),
     },
 )
+# Mostly well-formed turns, so that many bodies reach the engine (the rest probe validation).
 anthropic_message = st.fixed_dictionaries(
     {
-        "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), text),
-        "content": st.one_of(text, st.lists(block, max_size=3), json_values),
+        "role": st.one_of(st.just("user"), st.sampled_from(["assistant", "system"]), text),
+        "content": st.one_of(text, text, st.lists(block, max_size=3), json_values),
     }
 )
 tool = st.fixed_dictionaries(
@@ -102,9 +103,9 @@ tool = st.fixed_dictionaries(
 )
 messages_body = st.fixed_dictionaries(
     {
-        "model": st.one_of(st.just(MODEL), json_values),
-        "messages": st.one_of(st.lists(anthropic_message, max_size=3), json_values),
-        **sampling,
+        "model": st.one_of(st.just(MODEL), st.just(MODEL), json_values),
+        "messages": st.one_of(st.lists(anthropic_message, min_size=1, max_size=2), json_values),
+        "max_tokens": st.one_of(st.integers(1, 2), json_values),
     },
     optional={
         "system": st.one_of(text, st.lists(part, max_size=2), json_values),
@@ -162,12 +163,36 @@ responses_body = st.fixed_dictionaries(
         "previous_response_id": st.one_of(text, json_values),
     },
 )
+# Well-formed bodies around fuzzed text, so that the agent routes' generation paths (streams
+# included) meet hostile unicode and template markers too.
+plain_messages_body = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": text}),
+            min_size=1,
+            max_size=2,
+        ),
+        "max_tokens": st.integers(1, 2),
+    },
+    optional={
+        "system": text,
+        "stream": st.booleans(),
+        "stop_sequences": st.lists(text, max_size=2),
+    },
+)
+plain_responses_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "input": text, "max_output_tokens": st.integers(1, 2)},
+    optional={"instructions": text, "stream": st.booleans(), "store": st.booleans()},
+)
 MESSAGES_ROUTES = ["v1/messages", "v1/messages/count_tokens"]
 request = st.one_of(
     st.tuples(st.just("v1/chat/completions"), chat_body),
     st.tuples(st.just("v1/completions"), completion_body),
     st.tuples(st.sampled_from(MESSAGES_ROUTES), messages_body),
     st.tuples(st.just("v1/responses"), responses_body),
+    st.tuples(st.sampled_from(MESSAGES_ROUTES), plain_messages_body),
+    st.tuples(st.just("v1/responses"), plain_responses_body),
     st.tuples(
         st.sampled_from(
             ["v1/chat/completions", "v1/completions", "v1/responses", *MESSAGES_ROUTES]
@@ -225,7 +250,7 @@ def _check(route: str, response: httpx.Response) -> None:
 
 
 @settings(
-    max_examples=250,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
