@@ -160,6 +160,7 @@ def test_return_tokens_as_token_ids(client, expected):
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
     ],
 )
 def test_refused_combinations_name_their_field(server, body, field):

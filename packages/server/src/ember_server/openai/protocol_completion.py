@@ -67,8 +67,8 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """``max_tokens`` 0 (the prompt's logprobs only) still generates one token, which the
         response leaves out, as vLLM does."""
-        if max_tokens is not None:
-            max_tokens = max(max_tokens, 1)
+        if max_tokens == 0:  # (a negative value stays, for SamplingParams to refuse)
+            max_tokens = 1
         params = self._sampling_params(max_tokens, self.logprobs)
         if self.prompt_logprobs is None and not self.echoes_logprobs:
             return params
