@@ -25,6 +25,8 @@ TESTING = ROOT / "testing"
 BENCHMARKS_USE_STACK = {"spec-decode"}
 # Optional extras the tests exercise, installed under the same torch pin (Ray's executor tests).
 TEST_EXTRAS = {"worker": "[ray]"}
+# Dependency groups only the slow suite needs (the server's lm-evaluation-harness test).
+SLOW_GROUPS = {"server": "eval"}
 STANDALONE = {"kv-cache": "ember_kv_cache", "attention-kernels": "ember_kernels"}
 
 
@@ -129,6 +131,9 @@ def slow(session: nox.Session, package: str) -> None:
     if not _has_slow_tests(test_dir):
         session.skip(f"{package} has no slow tests")
     _install_package(session, package)
+    if package in SLOW_GROUPS:
+        folder = PACKAGES_DIR / package
+        session.install(*nox.project.dependency_groups(_pyproject(folder), SLOW_GROUPS[package]))
     session.run("pytest", str(test_dir), "-m", "slow", *session.posargs)
 
 

@@ -30,12 +30,14 @@ class ServerThread:
         tool_call_parser: str | None = None,
         max_body_size: int | None = None,
         lora_modules: dict[str, str] | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine_args = engine_args
         self.lora_modules = lora_modules
         self.api_key = api_key
         self.tool_call_parser = tool_call_parser
         self.max_body_size = max_body_size
+        self.reasoning_parser = reasoning_parser
         self.engine: AsyncLLM | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
@@ -60,7 +62,8 @@ class ServerThread:
                 self.api_key,
                 self.tool_call_parser,
                 self.max_body_size,
-                self.lora_modules,
+                lora_modules=self.lora_modules,
+                reasoning_parser=self.reasoning_parser,
             )
             config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
             self._server = uvicorn.Server(config)

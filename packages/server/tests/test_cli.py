@@ -96,6 +96,17 @@ def test_no_model_means_the_demo_model(caplog):
     assert 1e6 < size < 20e6  # "a few MB"
 
 
+def test_serve_parser_flags_name_every_parser(capsys):
+    args = _parse("serve", "--tool-call-parser", "qwen3_xml", "--reasoning-parser", "deepseek_r1")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("qwen3_xml", "deepseek_r1")
+    for parser in ("hermes", "llama3_json", "mistral"):
+        assert _parse("serve", "--tool-call-parser", parser).tool_call_parser == parser
+    assert _parse("serve", "--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        _parse("serve", "--reasoning-parser", "nope")
+    assert "deepseek_r1" in capsys.readouterr().err
+
+
 def test_bad_flag_values_are_rejected(capsys):
     with pytest.raises(SystemExit):
         _parse("serve", "--dtype", "int3")

@@ -1,7 +1,8 @@
-"""Fuzzed chat and completions bodies: roles, content shapes, unicode (lone surrogates included),
-special-token text and arbitrary nesting. Every body gets a 200 or a 4xx with an OpenAI error
-body, never a 5xx, and never a 200 stream carrying an error; good streams running beside the
-fuzz all complete."""
+"""Fuzzed chat, completions, Anthropic messages and Responses bodies: roles, content shapes, unicode (lone
+surrogates included), special-token text and arbitrary nesting. Every body gets a 200 or a 4xx
+with an error body in the route's shape (OpenAI's, or Anthropic's on ``/v1/messages``), never a
+5xx, and never a 200 stream carrying an error; good streams running beside the fuzz all
+complete."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ember_server.engine.engine_args import EngineArgs
 from ember_server.openai.protocol_chat import CHAT_ROLES
 
 TIMEOUT = 60
+MODEL = "fuzzed"
 
 # Every code point, lone surrogates included, plus the template's own markers.
 _chars = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=())
@@ -44,7 +46,7 @@ message = st.fixed_dictionaries(
 )
 # max_tokens is always there and tiny when valid: a valid fuzz case must stay cheap.
 sampling = {
-    "max_tokens": st.one_of(st.integers(1, 2), json_values),
+    "max_tokens": st.one_of(st.integers(0, 2), json_values),
 }
 optional_sampling = {
     "stream": st.one_of(st.booleans(), json_values),
@@ -67,19 +69,147 @@ prompt = st.one_of(
     json_values,
 )
 completion_body = st.fixed_dictionaries(
-    {"prompt": prompt, **sampling}, optional={**optional_sampling, "echo": json_values}
+    {"prompt": prompt, **sampling},
+    optional={
+        **optional_sampling,
+        "echo": json_values,
+        "prompt_logprobs": st.one_of(st.integers(-1, 3), json_values),
+        "return_tokens_as_token_ids": json_values,
+        "use_beam_search": st.one_of(st.booleans(), json_values),
+        "length_penalty": st.one_of(st.floats(-2, 2), json_values),
+    },
 )
+block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", ""])},
+    optional={
+        "text": st.one_of(text, json_values),
+        "id": st.one_of(text, json_values),
+        "name": st.one_of(text, json_values),
+        "input": json_values,
+        "tool_use_id": st.one_of(text, json_values),
+        "content": st.one_of(text, st.lists(part, max_size=2), json_values),
+    },
+)
+# Mostly well-formed turns, so that many bodies reach the engine (the rest probe validation).
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.just("user"), st.sampled_from(["assistant", "system"]), text),
+        "content": st.one_of(text, text, st.lists(block, max_size=3), json_values),
+    }
+)
+tool = st.fixed_dictionaries(
+    {"name": st.one_of(text, st.just("f"))},
+    optional={"input_schema": st.one_of(st.just({"type": "object"}), json_values)},
+)
+messages_body = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just(MODEL), st.just(MODEL), json_values),
+        "messages": st.one_of(st.lists(anthropic_message, min_size=1, max_size=2), json_values),
+        "max_tokens": st.one_of(st.integers(1, 2), json_values),
+    },
+    optional={
+        "system": st.one_of(text, st.lists(part, max_size=2), json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+        "stop_sequences": st.one_of(st.lists(text, max_size=2), json_values),
+        "temperature": st.one_of(st.floats(-1, 3), json_values),
+        "top_k": st.one_of(st.integers(-2, 5), json_values),
+        "tools": st.one_of(st.lists(tool, max_size=2), json_values),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                optional={"name": st.one_of(text, st.just("f"))},
+            ),
+            json_values,
+        ),
+        "metadata": json_values,
+    },
+)
+input_item = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "x"]),
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), text),
+        "content": st.one_of(text, st.lists(part, max_size=2), json_values),
+        "call_id": st.one_of(text, json_values),
+        "name": st.one_of(text, json_values),
+        "arguments": st.one_of(text, json_values),
+        "output": st.one_of(text, json_values),
+    },
+)
+responses_body = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.just(MODEL), json_values),
+        "input": st.one_of(text, st.lists(input_item, max_size=3), json_values),
+        "max_output_tokens": st.one_of(st.integers(1, 2), json_values),
+    },
+    optional={
+        "instructions": st.one_of(text, json_values),
+        "stream": st.one_of(st.booleans(), json_values),
+        "temperature": st.one_of(st.floats(-1, 3), json_values),
+        "tools": st.one_of(
+            st.lists(
+                st.fixed_dictionaries({"type": st.just("function"), "name": text}), max_size=2
+            ),
+            json_values,
+        ),
+        "tool_choice": json_values,
+        "text": st.one_of(
+            st.fixed_dictionaries(
+                {"format": st.fixed_dictionaries({"type": text | st.just("json_object")})}
+            ),
+            json_values,
+        ),
+        "store": json_values,
+        "previous_response_id": st.one_of(text, json_values),
+    },
+)
+# Well-formed bodies around fuzzed text, so that the agent routes' generation paths (streams
+# included) meet hostile unicode and template markers too.
+plain_messages_body = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": text}),
+            min_size=1,
+            max_size=2,
+        ),
+        "max_tokens": st.integers(1, 2),
+    },
+    optional={
+        "system": text,
+        "stream": st.booleans(),
+        "stop_sequences": st.lists(text, max_size=2),
+    },
+)
+plain_responses_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "input": text, "max_output_tokens": st.integers(1, 2)},
+    optional={"instructions": text, "stream": st.booleans(), "store": st.booleans()},
+)
+MESSAGES_ROUTES = ["v1/messages", "v1/messages/count_tokens"]
 request = st.one_of(
     st.tuples(st.just("v1/chat/completions"), chat_body),
     st.tuples(st.just("v1/completions"), completion_body),
-    st.tuples(st.sampled_from(["v1/chat/completions", "v1/completions"]), json_values),
+    st.tuples(st.sampled_from(MESSAGES_ROUTES), messages_body),
+    st.tuples(st.just("v1/responses"), responses_body),
+    st.tuples(st.sampled_from(MESSAGES_ROUTES), plain_messages_body),
+    st.tuples(st.just("v1/responses"), plain_responses_body),
+    st.tuples(
+        st.sampled_from(
+            ["v1/chat/completions", "v1/completions", "v1/responses", *MESSAGES_ROUTES]
+        ),
+        json_values,
+    ),
 )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
     args = EngineArgs(
-        model=str(tiny_model("llama")), dtype="float32", max_model_len=1024, kv_cache_memory=2**22
+        model=str(tiny_model("llama")),
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory=2**22,
+        served_model_name=MODEL,
     )
     with ServerThread(args) as running:
         yield running
@@ -105,18 +235,23 @@ class _GoodStreams(threading.Thread):
                 self.endings.append((reasons[-1] if reasons else None, events[-1]))
 
 
-def _check(response: httpx.Response) -> None:
+def _check(route: str, response: httpx.Response) -> None:
     status = response.status_code
     assert status < 500, response.text
-    if status >= 400:
+    if status >= 400 and route.startswith("v1/messages"):  # Anthropic's error shape
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["message"] and body["error"]["type"]
+    elif status >= 400:
         error = response.json()["error"]
         assert error["code"] == status and error["message"] and error["type"]
     elif response.headers["content-type"].startswith("text/event-stream"):
-        assert "error" not in response.text, response.text
+        # Responses' envelope holds "error": null; its failures are "error" events.
+        marker = "event: error" if route == "v1/responses" else "error"
+        assert marker not in response.text, response.text
 
 
 @settings(
-    max_examples=150,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -125,7 +260,7 @@ def _fuzz(client: httpx.Client, case) -> None:
     route, body = case
     # ensure_ascii writes lone surrogates as \ud800 escapes, as a hostile client would.
     raw = json.dumps(body, ensure_ascii=True)
-    _check(client.post(route, content=raw, headers={"content-type": "application/json"}))
+    _check(route, client.post(route, content=raw, headers={"content-type": "application/json"}))
 
 
 def test_fuzzed_bodies_never_get_a_5xx_while_good_streams_complete(server):

@@ -114,7 +114,9 @@ def test_prompt_of_wrong_shape_is_rejected():
         {"best_of": 3},
         {"logit_bias": {"5": 1.0}},
         {"suffix": "!"},
-        {"echo": True, "logprobs": 1},
+        {"echo": True, "logprobs": 1, "stream": True},
+        {"prompt_logprobs": 1, "stream": True},
+        {"max_tokens": 0},
     ],
 )
 def test_unsupported_or_inconsistent_completion_fields(extra):

@@ -83,6 +83,11 @@ def _greedy(max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
+def _counts(usage) -> tuple[int, int, int]:
+    """Token counts of a usage; the prefix-cache hits differ between repeats of one prompt."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def test_models_health_version(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
@@ -129,7 +134,7 @@ def test_streamed_completion_equals_whole_one(client):
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and _counts(chunks[-1].usage) == _counts(whole.usage)
     assert len(text_chunks) > 1
 
 
@@ -154,7 +159,7 @@ def test_streamed_multi_prompt_logprobs_and_continuous_usage(client):
     for choice in whole.choices:
         assert texts[choice.index] == choice.text
         assert tokens[choice.index] == choice.logprobs.tokens
-    assert chunks[-1].usage == whole.usage
+    assert _counts(chunks[-1].usage) == _counts(whole.usage)
 
 
 def test_streamed_chat_equals_whole_one(client):
@@ -172,9 +177,42 @@ def test_streamed_chat_equals_whole_one(client):
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finish == [whole.choices[0].finish_reason]
-    assert chunks[-1].usage == whole.usage
+    assert _counts(chunks[-1].usage) == _counts(whole.usage)
     plain = list(client.chat.completions.create(**kwargs, stream=True))
     assert all(c.usage is None for c in plain)
+
+
+def test_repeated_prompt_reports_its_cached_blocks(client, engine_args):
+    """A prompt sharing a prefix with an earlier one reports at least the prefix's whole blocks
+    as cached, in completions and chat, whole and streamed (the last chunk's usage)."""
+    block = engine_args.block_size
+    prefix = "def main(argv):\n    return 0\n" * 4
+    first = client.completions.create(model=MODEL_NAME, prompt=prefix, max_tokens=1)
+    shared_blocks = first.usage.prompt_tokens // block * block
+    assert shared_blocks >= block
+    kwargs = dict(model=MODEL_NAME, prompt=prefix + "print(1)", max_tokens=2)
+    whole = client.completions.create(**kwargs)
+    assert whole.usage.prompt_tokens_details.cached_tokens >= shared_blocks
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= shared_blocks
+    messages = [{"role": "user", "content": prefix}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    # A whole-prompt hit still computes the last token, so its block may be recomputed.
+    chat_blocks = (chat.usage.prompt_tokens - 1) // block * block
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= chat_blocks > 0
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= chat_blocks
 
 
 def test_n_2_with_seed(client):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import jsonschema
 import openai
 import pytest
+from chat_tools import SCHEMA_OF, TOOLS, tools_tokenizer
 from server_thread import ServerThread
 from structured_cases import CHOICES, REGEXES, SCHEMAS, matches_regex
 
@@ -23,71 +23,12 @@ from ember_server.openai.tool_calls import (
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 400
-# The tiny tokenizer's template, plus a system turn listing the tools when there are any.
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|im_start|>system\nYou may call: "
-    "{% for tool in tools %}{{ tool['function']['name'] }}: "
-    "{{ tool['function']['parameters'] | tojson }} {% endfor %}<|im_end|>\n{% endif %}"
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CITY = {"type": "string", "minLength": 1, "maxLength": 10}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                "required": ["city", "unit"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
-                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
-                },
-                "required": ["a", "b"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "query": CITY,
-                    "limit": {"type": "integer", "minimum": 1, "maximum": 5},
-                },
-                "required": ["query"],
-            },
-        },
-    },
-]
-SCHEMA_OF = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 CHAT = [{"role": "user", "content": "What is the weather in Köln?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, test_tokenizer_path, tmp_path_factory):
-    tokenizer = tmp_path_factory.mktemp("tools-tokenizer")
-    shutil.copytree(test_tokenizer_path, tokenizer, dirs_exist_ok=True)
-    config_file = tokenizer / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    (tokenizer / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = tools_tokenizer(test_tokenizer_path, tmp_path_factory.mktemp("tools-tokenizer"))
     args = EngineArgs(
         model=str(tiny_model("llama")),
         dtype="float32",

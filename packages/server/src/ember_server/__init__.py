@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "ember_server.engine.llm",
     "AsyncLLM": "ember_server.engine.async_llm",
+    "BeamSearchParams": "ember_server.engine.beam_search",
     "EngineArgs": "ember_server.engine.engine_args",
     "RequestOutput": "ember_server.engine.outputs",
     "CompletionOutput": "ember_server.engine.outputs",
@@ -33,6 +34,7 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchParams",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from ember_scheduler.sampling_params import SamplingParams
     from ember_scheduler.structured_outputs import StructuredOutputsParams
     from ember_server.engine.async_llm import AsyncLLM
+    from ember_server.engine.beam_search import BeamSearchParams
     from ember_server.engine.engine_args import EngineArgs
     from ember_server.engine.llm import LLM
     from ember_server.engine.outputs import CompletionOutput, RequestOutput

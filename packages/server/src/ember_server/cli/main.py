@@ -25,6 +25,7 @@ from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_server.cli.event_loop import run_event_loop
 from ember_server.engine.engine_args import EngineArgs, parse_bytes
 from ember_server.engine.lora_args import add_lora_modules_arg
+from ember_server.openai.reasoning import REASONING_PARSERS
 from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember")
@@ -128,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 log_level=args.uvicorn_log_level,
                 tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
                 shutdown_timeout=args.shutdown_timeout,
                 max_body_size=args.max_request_body_size,
                 lora_modules=dict(args.lora_modules or ()),
@@ -246,6 +248,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_PARSERS),
         help='Parse tool calls out of the text of requests with tools and tool_choice "auto".',
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="Split the model's <think>...</think> thinking into reasoning_content (chat).",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -10,6 +10,13 @@ from tqdm.auto import tqdm
 from ember_scheduler.lora import LoRARequest
 from ember_scheduler.pooling_params import PoolingParams
 from ember_scheduler.sampling_params import SamplingParams
+from ember_server.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    eos_token_ids,
+    finished_sequences,
+)
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.engine_factory import make_engine_core
 from ember_server.engine.input_processor import InputProcessor, TokenizedPrompt
@@ -164,6 +171,23 @@ class LLM:
             self.model_config, self.input_processor.text_encoder, text_1, text_2,
             lambda prompts, params: self.encode(prompts, params, use_tqdm=use_tqdm),
         )  # fmt: skip
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over ``prompts`` (texts, token id lists or prompt dicts): a loop of
+        one-token steps over every live beam of every prompt, outside the engine core
+        (``engine/beam_search.py``); the best ``params.beam_width`` sequences of each prompt."""
+        eos = eos_token_ids(self.model_config)
+        searches = [
+            BeamSearch(self.input_processor.tokenize(prompt).token_ids, params, eos)
+            for prompt in _as_prompt_list(prompts)
+        ]
+        step = params.step_params()
+        while live := [search for search in searches if not search.done]:
+            beams = [beam.tokens for search in live for beam in search.live]
+            outputs = iter(self.generate(beams, step, use_tqdm=False))
+            for search in live:
+                search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.live])
+        return [finished_sequences(search, self.get_tokenizer()) for search in searches]
 
     def _generate(
         self, prompts, sampling_params, use_tqdm, priority, loras=None

@@ -1,4 +1,5 @@
-"""The API key check: a 401 with an OpenAI error body unless ``Authorization: Bearer <key>``.
+"""The API key check: a 401 with an OpenAI error body unless ``Authorization: Bearer <key>``
+(or Anthropic's ``x-api-key: <key>``).
 
 A plain ASGI middleware: FastAPI's ``@app.middleware("http")`` (Starlette's BaseHTTPMiddleware)
 relays every response body chunk through a memory stream and a task group, a cost per streamed
@@ -24,15 +25,19 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._allowed(scope):
-            await error_response("Invalid or missing API key.", 401)(scope, receive, send)
+            response = error_response("Invalid or missing API key.", 401, None, scope["path"])
+            await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
         if scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             return True
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        headers = dict(scope["headers"])
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+        return bearer or key

@@ -1,13 +1,14 @@
 """The FastAPI app of ``ember serve`` and the coroutine that runs it with uvicorn.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/classify``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, the agent APIs of ``agent_routes``
+(Anthropic's ``/v1/messages``, OpenAI's ``/v1/responses``), ``/v1/embeddings``, ``/classify``,
 ``/score``, ``/rerank`` (also ``/v1/score``, ``/v1/rerank``), ``/v1/models``, ``/tokenize``,
 ``/detokenize``, ``/health`` (503 while no engine core is alive: failed, or restarting; with
 data parallelism, each engine core's state), ``/version`` and ``/metrics``.
 A ``generate`` engine answers the pooling routes too (embeddings of its decoder); a ``pooling``
 engine answers the generation routes with a 400.
 With an API key every route except ``/health``, ``/version`` and ``/metrics`` needs
-``Authorization: Bearer <key>`` (401 otherwise).
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ember_server
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.metrics import CONTENT_TYPE
+from ember_server.openai.agent_routes import add_agent_routes
 from ember_server.openai.api_key import APIKeyMiddleware
 from ember_server.openai.body_limit import BodyLimitMiddleware
 from ember_server.openai.errors import OpenAIError, install_error_handlers
@@ -77,9 +79,11 @@ def build_app(
     tool_call_parser: str | None = None,
     max_body_size: int | None = None,
     lora_modules: dict[str, str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (a started ``AsyncLLM``);
-    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto).
+    ``tool_call_parser`` parses tool calls out of text (``tool_choice`` auto),
+    ``reasoning_parser`` the model's thinking (``reasoning_content``).
 
     ``lora_modules`` (name -> PEFT folder) are served as models of their own (``lora_routes``).
     Bodies over ``max_body_size`` bytes (default: ``default_body_limit`` of the context length)
@@ -92,7 +96,7 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_size)
     install_error_handlers(app)
     completions = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine, tool_call_parser)
+    chat = OpenAIServingChat(engine, tool_call_parser, reasoning_parser)
     common = OpenAIServing(engine)
     pooling = OpenAIServingPooling(engine)
     register_lora_modules(engine, lora_modules)
@@ -110,6 +114,8 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    add_agent_routes(app, chat)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
@@ -198,6 +204,7 @@ async def run_server(
     shutdown_timeout: float | None = None,
     max_body_size: int | None = None,
     lora_modules: dict[str, str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Serve on ``listener`` until SIGTERM/SIGINT or the engine's death; the exit status (0
     stopped, 1 engine died). ``engines`` are the engine core processes ``launch_engines``
@@ -231,7 +238,14 @@ async def run_server(
             return 0
         stop.cancel()
         engine = starting.result()
-        app = build_app(engine, api_key, tool_call_parser, max_body_size, lora_modules)
+        app = build_app(
+            engine,
+            api_key,
+            tool_call_parser,
+            max_body_size,
+            lora_modules=lora_modules,
+            reasoning_parser=reasoning_parser,
+        )
         # Start-up objects (transformers, the tokenizer, FastAPI: ~390k) live as long as the
         # server: frozen, a full collection no longer scans them (such a scan stalls a stream).
         gc.collect()

@@ -52,12 +52,12 @@ class BodyLimitMiddleware:
                 f"The request headers hold {header_bytes} bytes, over this server's limit of "
                 f"{self.max_header_bytes} bytes."
             )
-            await error_response(message, 431)(scope, receive, send)
+            await error_response(message, 431, None, scope["path"])(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
             too_large = BodyTooLarge(self.max_bytes)
-            await error_response(too_large.detail, 413)(scope, receive, send)
+            await error_response(too_large.detail, 413, None, scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,9 +63,30 @@ def error_body(message: str, status: int, param: str | None = None) -> ErrorResp
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 
+ErrorShape = Callable[[str, int, str | None], JSONResponse]
+# Routes whose API has its own error format (Anthropic's), by path prefix.
+_ERROR_SHAPES: dict[str, ErrorShape] = {}
+
+
+def register_error_shape(path_prefix: str, shape: ErrorShape) -> None:
+    """Answer errors of the routes under ``path_prefix`` with ``shape(message, status, param)``."""
+    _ERROR_SHAPES[path_prefix] = shape
+
+
 def error_response(
-    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+    message: str,
+    status: int,
+    param: str | None = None,
+    path: str = "",
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    """The error response of the route at ``path``: OpenAI's format unless it has its own;
+    ``headers`` (e.g. a 503's Retry-After) go with either."""
+    for prefix, shape in _ERROR_SHAPES.items():
+        if path.startswith(prefix):
+            response = shape(message, status, param)
+            response.headers.update(headers or {})
+            return response
     body = error_body(message, status, param)
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -74,6 +96,13 @@ def from_value_error(exc: ValueError) -> OpenAIError:
     message = str(exc)
     match = _FIELD_IN_MESSAGE.search(message)
     return OpenAIError(message, 400, match.group(1) if match else None)
+
+
+def from_validation_error(exc) -> OpenAIError:
+    """A 400 for a request model a route builds itself (the chat request an Anthropic or
+    Responses request amounts to) that does not validate (a pydantic ValidationError)."""
+    message, param = _describe_validation(RequestValidationError(exc.errors()))
+    return OpenAIError(message, 400, param)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -109,20 +138,21 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception raised while serving to an OpenAI-format error response."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return error_response(message, 400, param)
+        return error_response(message, 400, param, request.url.path)
 
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.headers)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param, request.url.path, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's detail defaults to the status phrase ("Not Found").
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code, None, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error while serving a request")
-        return error_response(f"internal server error: {type(exc).__name__}", 500)
+        message = f"internal server error: {type(exc).__name__}"
+        return error_response(message, 500, None, request.url.path)

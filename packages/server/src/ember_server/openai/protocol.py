@@ -74,17 +74,32 @@ class OpenAIResponse(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(OpenAIResponse):
+    """How the prompt was served: ``cached_tokens`` came from the prefix cache (or a KV
+    connector's hits) instead of being computed."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIResponse):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> UsageInfo:
+        """Usage of a request; generation routes pass ``cached_tokens`` (pooling ones do not)."""
+        details = (
+            None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+        )
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
         )
 
 

@@ -235,6 +235,7 @@ class ChatResponseMessage(OpenAIResponse):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's thinking
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -273,6 +274,7 @@ class DeltaMessage(OpenAIResponse):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

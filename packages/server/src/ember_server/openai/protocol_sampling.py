@@ -95,6 +95,7 @@ class SamplingFields(OpenAIRequest):
     timeout: Annotated[float, Field(gt=0)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as "token_id:<id>"
     # What the output must match, from the fields above (or a chat request's forced tool call).
     _structured_outputs: StructuredOutputsParams | None = PrivateAttr(default=None)
     # The request field it came from: response_format, structured_outputs or tools.

@@ -64,7 +64,7 @@ def content_choice(index: int, content: str, finish_reason: str | None, stop_rea
     as a dict in its field order."""
     return {
         "index": index,
-        "delta": {"role": None, "content": content, "tool_calls": None},
+        "delta": {"role": None, "content": content, "tool_calls": None, "reasoning_content": None},
         "logprobs": None,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,

@@ -17,6 +17,7 @@ from ember_server.openai.protocol_chat import (
     FunctionCall,
     ToolCall,
 )
+from ember_server.openai.tool_parsers import TOOL_PARSERS
 
 TOOL_CALLS = "tool_calls"  # the finish reason of an output that is a call
 
@@ -49,9 +50,9 @@ class HermesToolParser:
     """Hermes-style calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks,
     as Hermes, Qwen 2.5 and Qwen 3 write them. A block that is not such JSON stays text."""
 
-    START, END = "<tool_call>", "</tool_call>"
+    START, END, AT_START = "<tool_call>", "</tool_call>", False
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, tools=None) -> tuple[str | None, list[ToolCall]]:
         """``(the text outside calls, or None when there is none; the calls)``."""
         content, calls, rest = [], [], text
         while (start := rest.find(self.START)) >= 0:
@@ -79,44 +80,71 @@ class HermesToolParser:
         return ToolCall(function=FunctionCall(name=call["name"], arguments=json.dumps(arguments)))
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolParser}
+TOOL_CALL_PARSERS = {"hermes": HermesToolParser, **TOOL_PARSERS}
 
 
 class ParsedCallStream:
-    """Streams text as content until a call block starts, then each call once it is complete
-    (text that could still become a block's start is held back)."""
+    """Streams text as content until a call starts, then each call once it is complete (text
+    that could still become a call's start is held back): a call's name and arguments never go
+    out in pieces. A parser without ``END`` has its calls run to the end of the output; one
+    with ``AT_START`` has calls only in an output that begins with one of its ``PREFIXES``."""
 
-    def __init__(self, parser: HermesToolParser) -> None:
+    def __init__(self, parser, tools=None) -> None:
         self.parser = parser
+        self.tools = tools
         self._buffer = ""
         self._num_calls = 0
+        self._to_the_end = False  # the rest of the output is a call (parsed at the finish)
+        self._plain = False  # an AT_START parser's output that is text only
 
     def feed(self, text: str) -> DeltaMessage | None:
         self._buffer += text
-        content, calls = [], []
         parser = self.parser
+        if self._to_the_end:
+            return None
+        if parser.AT_START and not self._plain:
+            head = self._buffer.lstrip()
+            if not head or any(len(head) < len(p) and p.startswith(head) for p in parser.PREFIXES):
+                return None
+            if head.startswith(parser.PREFIXES):
+                self._to_the_end = True
+                return None
+            self._plain = True
+        if self._plain:
+            content, self._buffer = self._buffer, ""
+            return self._delta(content, [])
+        content, calls = [], []
         while True:
             start = self._buffer.find(parser.START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, parser.START)
+                keep = partial_suffix(self._buffer, parser.START)
                 content.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            if parser.END is None:
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                self._to_the_end = True
                 break
             end = self._buffer.find(parser.END, start)
             if end < 0:
                 content.append(self._buffer[:start])
                 self._buffer = self._buffer[start:]
                 break
-            block = self._buffer[: end + len(parser.END)]
+            content.append(self._buffer[:start])
+            block = self._buffer[start : end + len(parser.END)]
             self._buffer = self._buffer[end + len(parser.END) :]
-            text_outside, found = parser.parse(block)
+            text_outside, found = parser.parse(block, self.tools)
             content.append(text_outside or "")
             calls.extend(found)
         return self._delta("".join(content), calls)
 
     def finish(self, finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
         """What is left (an unfinished block is text), and the finish reason to report."""
-        delta = self._delta(self._buffer, [])
+        content, calls = self._buffer, []
+        if self._to_the_end:
+            content, calls = self.parser.parse(self._buffer, self.tools)
+        delta = self._delta(content or "", calls)
         self._buffer = ""
         if self._num_calls and finish_reason == "stop":
             finish_reason = TOOL_CALLS
@@ -171,7 +199,7 @@ class RequiredCallStream:
         return DeltaMessage(tool_calls=[_delta_call(0, call)]), TOOL_CALLS
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that begins ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
