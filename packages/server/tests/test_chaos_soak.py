@@ -147,7 +147,8 @@ def test_chaos_soak_loses_no_accepted_request(tiny_model, name):
         rss_growth_kib = asyncio.run(soak())
         engine = server.engine
         deadline = time.monotonic() + 60
-        while not engine.is_healthy() and time.monotonic() < deadline:
+        alive = lambda: all(state["alive"] for state in engine.engine_states())  # noqa: E731
+        while not alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert engine.is_healthy() and not engine.errored
         httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
