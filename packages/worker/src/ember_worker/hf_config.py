@@ -103,7 +103,7 @@ _ATTRIBUTE_ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v3": {"num_local_experts": "n_routed_experts"},
 }
 # Model types whose transformers class defaults ``rope_theta`` to other than 10,000.
-_DEFAULT_ROPE_THETA = {"mixtral": 1e6}
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6, "gemma3_text": 1e6}
 
 
 # RoPE types whose parameters carry the context length the model was trained on.
