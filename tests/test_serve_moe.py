@@ -12,7 +12,16 @@ from ember import LLM, SamplingParams
 from ember_testing.serve_process import ServeProcess
 from ember_testing.tiny_models import tiny_model_path
 
-FLAGS = ["--max-model-len", "256", "--max-num-seqs", "4", "--kv-cache-memory", "8MiB"]
+FLAGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "4",
+    "--kv-cache-memory",
+    "8MiB",
+]
 PROMPTS = ["def parse(self, text):", "import os\nimport sys\n"]
 CASES = {
     "deepseek_v2-tp2-ep": ("deepseek_v2", ["-tp", "2", "--enable-expert-parallel"]),
@@ -36,7 +45,7 @@ def served(request, tmp_path_factory):
 
 
 def offline(path: str, prompts: list[str], max_tokens: int) -> list[str]:
-    llm = LLM(path, max_model_len=256, max_num_seqs=4, kv_cache_memory=8 * 1024**2)
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, kv_cache_memory=8 * 1024**2)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -17,7 +17,16 @@ from ember import LLM, SamplingParams
 from ember_server.cli.demo_model import DEMO_MODEL_NAME, demo_model_path
 from ember_testing.serve_process import ServeProcess, child_pids, wait_gone
 
-FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "8MiB"]
+FLAGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--max-num-seqs",
+    "8",
+    "--kv-cache-memory",
+    "8MiB",
+]
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語"]
 
 

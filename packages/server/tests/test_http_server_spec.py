@@ -36,6 +36,8 @@ def engine_args(tiny_model) -> EngineArgs:
         [
             "--model",
             str(tiny_model("llama")),
+            "--dtype",
+            "float32",
             "--max-model-len",
             "128",
             "--max-num-seqs",

@@ -35,7 +35,7 @@ def test_a_mixed_batch_gives_one_result_per_line_in_order(tiny_model, tmp_path):
     requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     requests.write_text("\n".join(lines) + "\n")
     assert main(["run-batch", "-i", str(requests), "-o", str(results), model,
-                 "--max-model-len", "512", "--num-threads", "1"]) == 0  # fmt: skip
+                 "--max-model-len", "512", "--num-threads", "1", "--dtype", "float32"]) == 0  # fmt: skip
 
     out = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["custom_id"] for r in out] == [
