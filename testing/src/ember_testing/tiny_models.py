@@ -126,7 +126,7 @@ def tiny_w8a8_model_path(arch: str, seed: int = 0, **overrides: Any) -> pathlib.
     an int8 ``weight`` and a float32 ``weight_scale [out, 1]``, the rest as it was."""
     source = tiny_model_path(arch, seed, **overrides)
     return _write_atomically(
-        source.parent / f"{source.name}-w8a8", lambda out: _write_w8a8(source, out)
+        source.parent / f"{source.name}-w8a8-v1", lambda out: _write_w8a8(source, out)
     )
 
 
