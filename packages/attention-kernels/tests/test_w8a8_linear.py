@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ember_kernels import cpu_ops
 from ember_kernels.int8_linear import INT8_MAX, quantize_int8
 from ember_kernels.packed_linear import linear
 from ember_kernels.w8a8_linear import quantize_per_token, w8a8_linear, w8a8_linear_reference
@@ -38,6 +39,16 @@ def test_matches_the_reference_to_the_bit(dtype, rows, with_bias):
     assert torch.equal(out, w8a8_linear_reference(x, q, scales, bias))
     # ... and through the layers' entry point
     assert torch.equal(linear(x, q, bias, scales, quantize_activations=True), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_equals_the_compiled_kernel(dtype, monkeypatch):
+    torch.manual_seed(2)
+    q, scales = quantize_int8(torch.randn(48, 96))
+    x, bias = torch.randn(7, 96).to(dtype), torch.randn(48).to(dtype)
+    compiled = w8a8_linear(x, q, scales, bias)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    assert torch.equal(w8a8_linear(x, q, scales, bias), compiled)
 
 
 def test_close_to_the_float_matmul():

@@ -8,7 +8,9 @@ layer runs, ``s_x = max|x[m, :]| / 127`` and ``q_x = round(x / s_x)``, so that
     x W^T + b  ~=  (q_x q_w^T)[m, n] * s_x[m] * s_w[n] + b[n]
 
 with the integer products summed exactly in int32. On the CPU the int8 matmul is torch's
-``_int_mm`` (oneDNN's u8s8 kernels: AMX-INT8 or AVX512-VNNI dot products where the CPU has them);
+``_int_mm`` (oneDNN's u8s8 kernels: AMX-INT8 or AVX512-VNNI dot products where the CPU has them),
+called from the compiled kernels (``cpu_ops.w8a8_linear``, which the compiled decoder stack calls
+too) where they are built, else from torch here, with the same operations in the same order;
 elsewhere the reference sums the same integers in float64, which is exact for any width a model
 has (|q_x q_w| <= 127^2, so 2^53 / 127^2 terms), so both give the same int32 sums.
 """
@@ -16,6 +18,8 @@ has (|q_x q_w| <= 127^2, so 2^53 / 127^2 terms), so both give the same int32 sum
 from __future__ import annotations
 
 import torch
+
+from ember_kernels import cpu_ops
 
 INT8_MAX = 127
 
@@ -51,15 +55,17 @@ def w8a8_linear(
             f"{tuple(q_weight.shape)} and {tuple(weight_scales.shape)}"
         )
     rows = x.reshape(-1, x.shape[-1])
-    q_x, x_scales = quantize_per_token(rows)
-    if x.device.type == "cpu":
+    if x.device.type != "cpu":
+        return w8a8_linear_reference(x, q_weight, weight_scales, bias)
+    if cpu_ops.available():
+        out = cpu_ops.w8a8_linear(rows, q_weight, weight_scales, bias)
+    else:
+        q_x, x_scales = quantize_per_token(rows)
         # ``q_weight.t()`` of the contiguous [out, in] weight is the layout oneDNN reads without
         # repacking (a contiguous [in, out] copy was 10-70x slower).
         sums = torch._int_mm(q_x, q_weight.t())
-    else:
-        sums = _int_sums_reference(q_x, q_weight)
-    out = _rescale(sums, x_scales, weight_scales, bias)
-    return out.to(x.dtype).view(*x.shape[:-1], q_weight.shape[0])
+        out = _rescale(sums, x_scales, weight_scales, bias).to(x.dtype)
+    return out.view(*x.shape[:-1], q_weight.shape[0])
 
 
 def w8a8_linear_reference(

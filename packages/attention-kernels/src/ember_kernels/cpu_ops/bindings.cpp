@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding from a cos/sin cache (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into paged caches (CPU)");
   m.def("int8_linear", &int8_linear, "Matmul with a per-channel int8 weight (CPU)");
+  m.def("w8a8_linear", &w8a8_linear, "int8 x int8 matmul, activations quantized per row (CPU)");
   pybind11::class_<DecoderStack>(m, "DecoderStack", "Pre-norm decoder layers in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool>())
       .def("add_layer", &DecoderStack::add_layer)

@@ -34,6 +34,7 @@ SOURCES = [
         "paged_attention.cpp",
         "fused_ops.cpp",
         "int8_linear.cpp",
+        "w8a8_linear.cpp",
         "decoder_stack.cpp",
         "bindings.cpp",
     )

@@ -20,15 +20,14 @@ if TYPE_CHECKING:
 def build_cpu_stack(layers: list[DecoderLayer]):
     """The compiled stack of ``layers`` (bound to their KV caches), or None where the
     per-operation path must run: not CPU tensors, a dtype or a build the kernels lack, tensor
-    parallelism (a row-parallel projection all-reduces between two operations), W8A8 weights
-    (the compiled stack has no int8-activation matmul), or no KV cache bound yet."""
+    parallelism (a row-parallel projection all-reduces between two operations), or no KV cache
+    bound yet."""
     first = layers[0].self_attn
     weight = first.qkv_proj.weight
     if (
         weight.device.type != "cpu"
         or layers[0].input_layernorm.weight.dtype not in cpu_ops.DTYPES
         or first.o_proj.tp.size > 1
-        or first.qkv_proj.quantize_activations
         or any(layer.self_attn.attn.kv_cache is None for layer in layers)
         or not cpu_ops.available()
     ):
@@ -63,11 +62,12 @@ def build_cpu_stack(layers: list[DecoderLayer]):
             value_cache,
             attn.attn.sliding_window or 0,
         )
-        if attn.qkv_proj.weight_scale is not None:  # int8 weights (int8_weight_only)
+        if attn.qkv_proj.weight_scale is not None:  # int8 weights (weight-only or W8A8)
             stack.set_weight_scales(
                 attn.qkv_proj.weight_scale,
                 attn.o_proj.weight_scale,
                 mlp.gate_up_proj.weight_scale,
                 mlp.down_proj.weight_scale,
+                attn.qkv_proj.quantize_activations,
             )
     return stack
