@@ -8,12 +8,15 @@ equal, not just close."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from ember import LLM, SamplingParams
+from ember_server import EngineArgs
 from ember_testing.tiny_models import W8A8_PROJECTIONS, tiny_model_path, tiny_w8a8_model_path
 
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語", "the quick brown fox"]
@@ -90,3 +93,12 @@ def test_greedy_matches_transformers_with_per_token_activation_quantization(arch
                 eos_token_id=None, pad_token_id=0,
             )[0, len(output.prompt_token_ids) :].tolist()  # fmt: skip
         assert output.outputs[0].token_ids == expected
+
+
+def test_engine_args_take_vllms_name_for_the_checkpoints_own_quantization():
+    assert EngineArgs(model="m", quantization="compressed-tensors").quantization == (
+        "compressed-tensors"
+    )
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "m", "--quantization", "compressed-tensors"])
+    assert EngineArgs.from_cli_args(args).quantization == "compressed-tensors"

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from ember_testing.tiny_models import W8A8_QUANTIZATION_CONFIG, tiny_w8a8_model_path
-from ember_worker.compressed_tensors import checkpoint_quantization
+from ember_worker.compressed_tensors import checkpoint_quantization, w8a8_tensors
 from ember_worker.hf_config import HFConfig
 from ember_worker.layers.parallel import TensorParallelGroup
 from ember_worker.model_loader import load_model
@@ -127,3 +127,18 @@ def test_refuses_an_int8_lm_head_checkpoint_at_load(tmp_path):
         load_model(tmp_path, dtype="float32")
     with pytest.raises(ValueError, match="quantization: the checkpoint is already quantized"):
         load_model(source, dtype="float32", quantization="int8_weight_only")
+
+
+def test_checkpoint_tensors_are_checked_and_scales_flattened():
+    scale = torch.rand(6, 1)
+    naive = torch.randint(-127, 128, (6, 4)).float()  # the naive format may store int8 in floats
+    name = "model.layers.0.self_attn.q_proj."
+    tensors = dict(w8a8_tensors([(name + "weight", naive), (name + "weight_scale", scale)]))
+    assert torch.equal(tensors[name + "weight"], naive)
+    assert torch.equal(tensors[name + "weight_scale"], scale.flatten())
+    with pytest.raises(ValueError, match="expected int8 values"):
+        list(w8a8_tensors([(name + "weight", naive + 0.5)]))
+    with pytest.raises(ValueError, match=r"expected per-channel scales \[out, 1\]"):
+        list(w8a8_tensors([(name + "weight_scale", torch.rand(6, 2))]))
+    norm = ("model.layers.0.input_layernorm.weight", torch.rand(4))
+    assert list(w8a8_tensors([norm])) == [norm]  # not quantized: left as it is
