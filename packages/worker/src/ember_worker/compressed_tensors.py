@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ember_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, make_w8a8
+from ember_worker.quantization import COMPRESSED_TENSORS as QUANT_METHOD
 
-QUANT_METHOD = "compressed-tensors"
 # Both store the int8 values as they are ("naive" is the older name).
 W8A8_FORMATS = ("int-quantized", "naive-quantized")
 # Field values a W8A8 scheme must have; ``None`` stands for "absent or null".

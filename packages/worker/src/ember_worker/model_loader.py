@@ -145,10 +145,11 @@ def load_model(
             raise ValueError(f"{compressed_tensors.FIELD}: a quantized classifier is not supported")
         compressed_tensors.prepare_w8a8(decoder)
         weights = compressed_tensors.w8a8_tensors(weights)
+        logger.info("weights: W8A8 int8 (%s checkpoint)", checkpoint)
     decoder.load_weights(weights)
     decoder.eval()
-    if quantization is not None:
-        quantize_model(decoder, quantization)  # a checkpoint's own is in its weights already
+    if quantization is not None and checkpoint is None:
+        quantize_model(decoder, quantization)
         logger.info("weights quantized: %s", quantization)
     if pack_weights:
         decoder.pack_linear_weights()

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the API server checks the name without importing torch
     from ember_worker.models import DecoderForCausalLM
 
-QUANTIZATION_METHODS = ("int8_weight_only", "compressed-tensors")
+# vLLM's name, and the ``quant_method`` such a checkpoint's config.json names.
+COMPRESSED_TENSORS = "compressed-tensors"
+QUANTIZATION_METHODS = ("int8_weight_only", COMPRESSED_TENSORS)
 # Quantizations applied to a float checkpoint's weights after loading.
 POST_LOAD_METHODS = ("int8_weight_only",)
 
@@ -44,10 +46,10 @@ def resolve_quantization(quantization: str | None, checkpoint: str | None) -> st
             f"quantization: the checkpoint is already quantized ({checkpoint}); "
             f"got {quantization!r}, expected None or {checkpoint!r}"
         )
-    if checkpoint is None and quantization == "compressed-tensors":
+    if checkpoint is None and quantization == COMPRESSED_TENSORS:
         raise ValueError(
-            "quantization: 'compressed-tensors' needs a checkpoint whose config.json has a "
-            "compressed-tensors quantization_config"
+            f"quantization: {COMPRESSED_TENSORS!r} needs a checkpoint whose config.json has a "
+            f"{COMPRESSED_TENSORS} quantization_config"
         )
     return checkpoint or quantization
 
