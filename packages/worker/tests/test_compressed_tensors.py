@@ -140,5 +140,9 @@ def test_checkpoint_tensors_are_checked_and_scales_flattened():
         list(w8a8_tensors([(name + "weight", naive + 0.5)]))
     with pytest.raises(ValueError, match=r"expected per-channel scales \[out, 1\]"):
         list(w8a8_tensors([(name + "weight_scale", torch.rand(6, 2))]))
+    zero_point = (name + "weight_zero_point", torch.zeros(6, 1, dtype=torch.int8))
+    assert list(w8a8_tensors([zero_point])) == []  # symmetric: nothing to hold
+    with pytest.raises(ValueError, match="nonzero zero points"):
+        list(w8a8_tensors([(zero_point[0], torch.ones(6, 1, dtype=torch.int8))]))
     norm = ("model.layers.0.input_layernorm.weight", torch.rand(4))
     assert list(w8a8_tensors([norm])) == [norm]  # not quantized: left as it is

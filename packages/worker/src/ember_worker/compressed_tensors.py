@@ -113,8 +113,13 @@ def w8a8_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A W8A8 checkpoint's tensors as the model holds them: ``weight_scale [out, 1]`` flattened
     to ``[out]``; a quantized weight checked to hold int8 values (the naive format may store
-    them in a float dtype)."""
+    them in a float dtype); zero points, which some writers store for symmetric schemes too,
+    dropped where they are all zero (refused otherwise)."""
     for name, tensor in weights:
+        if name.endswith("_zero_point"):
+            if tensor.any():
+                raise ValueError(f"checkpoint tensor {name!r}: nonzero zero points (asymmetric)")
+            continue
         if name.endswith(".weight_scale"):
             if tensor.dim() != 2 or tensor.shape[1] != 1:
                 raise ValueError(
