@@ -25,8 +25,8 @@ def test_per_token_quantization_within_half_a_step():
     assert (error <= scales[:, None] / 2 + 1e-6 * x.abs()).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 5, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_reference_to_the_bit(dtype, rows, with_bias):
     torch.manual_seed(rows)
