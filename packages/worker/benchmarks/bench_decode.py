@@ -1,5 +1,5 @@
 """Batch-1 decode and batched offline throughput of a Qwen2.5-0.5B-shaped model, fp32 and bf16
-(and int8 weight-only), each against its roofline measured in the same run
+(and int8 weight-only, and W8A8 int8), each against its roofline measured in the same run
 (``ember_testing.roofline``).
 
 The model is random-weight, written by the test-model factory with Qwen2.5-0.5B's shapes (hidden
@@ -17,10 +17,13 @@ take turns (``--rounds``), so both see the same load; the engine runs with every
 A ``--dtypes`` entry ``bfloat16-int8`` (or ``float32-int8``) runs that dtype with
 ``quantization="int8_weight_only"``: its bytes per token count the linear weights and the head at
 one byte each plus their float32 scales; its batched peak is the matmul library's at the
-activation dtype.
+activation dtype. An entry ``bfloat16-w8a8`` (or ``float32-w8a8``) runs the same model as a W8A8
+int8 compressed-tensors checkpoint (``ember_testing.tiny_models.tiny_w8a8_model_path``: int8
+per-channel weights, activations quantized per token): the LM head (tied) stays in the dtype.
 
     python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16,bfloat16-int8 --skip-batched
+    python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16-int8,bfloat16-w8a8
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_testing.roofline import batched_roofline, decode_roofline, matmul_peak, triad_bandwidth
-from ember_testing.tiny_models import QWEN_05B_CONFIG, tiny_model_path
+from ember_testing.tiny_models import QWEN_05B_CONFIG, tiny_model_path, tiny_w8a8_model_path
 from ember_worker.executor import InProcessExecutor
 
 QWEN_05B = QWEN_05B_CONFIG
@@ -43,15 +46,25 @@ PROMPT, OUTPUT, BATCH = 64, 128, 32
 MAX_MODEL_LEN = 512
 
 
-INT8_SUFFIX = "-int8"
+INT8_SUFFIX = "-int8"  # int8 weight-only, the head included
+W8A8_SUFFIX = "-w8a8"  # a W8A8 checkpoint, the head in the dtype
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(activation dtype, quantization suffix or "") of a ``--dtypes`` entry."""
+    for suffix in (INT8_SUFFIX, W8A8_SUFFIX):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), suffix
+    return name, ""
 
 
 def make_engine(name: str, threads: int | None) -> EngineCore:
-    dtype, quantized, _ = name.partition(INT8_SUFFIX)
+    dtype, quantized = split_name(name)
+    write = tiny_w8a8_model_path if quantized == W8A8_SUFFIX else tiny_model_path
     executor = InProcessExecutor(
-        tiny_model_path("qwen2", **QWEN_05B),
+        write("qwen2", **QWEN_05B),
         dtype=dtype,
-        quantization="int8_weight_only" if quantized else None,
+        quantization="int8_weight_only" if quantized == INT8_SUFFIX else None,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=BATCH,
         kv_cache_memory=1 << 30,
@@ -85,11 +98,11 @@ def run(
     return first - start, time.perf_counter() - first, produced
 
 
-def decode_bytes(dtype: torch.dtype, output: int, int8: bool = False) -> float:
+def decode_bytes(dtype: torch.dtype, output: int, quantized: str = "") -> float:
     """Bytes one batch-1 decode step reads: every weight (the embedding once, as the tied head)
-    and the KV cache at the mean context; with ``int8``, the linear weights and the head at one
-    byte each plus a float32 scale per output channel (the embedding table is then not read but
-    for one row)."""
+    and the KV cache at the mean context; quantized (``INT8_SUFFIX``), the linear weights and the
+    head at one byte each plus a float32 scale per output channel (the embedding table is then
+    not read but for one row); ``W8A8_SUFFIX``, the same with the head in ``dtype``."""
     c = QWEN_05B
     hidden, inter, layers, head = c["hidden_size"], c["intermediate_size"], 24, 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
@@ -98,27 +111,28 @@ def decode_bytes(dtype: torch.dtype, output: int, int8: bool = False) -> float:
     kv_per_token = 2 * layers * kv
     mean_context = PROMPT + output / 2
     element = torch.empty((), dtype=dtype).element_size()
-    if int8:
-        linear, rows = linear_params(), linear_rows()
+    if quantized:
+        with_head = quantized == INT8_SUFFIX
+        linear, rows = linear_params(with_head), linear_rows(with_head)
         return linear + 4 * rows + (weights - linear + kv_per_token * mean_context) * element
     return (weights + kv_per_token * mean_context) * element
 
 
-def linear_params() -> int:
+def linear_params(with_head: bool = True) -> int:
     c = QWEN_05B
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
-    return c["num_hidden_layers"] * per_layer + c["vocab_size"] * hidden
+    return c["num_hidden_layers"] * per_layer + with_head * c["vocab_size"] * hidden
 
 
-def linear_rows() -> int:
-    """Output channels of the linear weights and the head (one int8 scale each)."""
+def linear_rows(with_head: bool = True) -> int:
+    """Output channels of the linear weights and (``with_head``) the head: one int8 scale each."""
     c = QWEN_05B
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     per_layer = (q + 2 * kv) + hidden + 2 * inter + hidden
-    return c["num_hidden_layers"] * per_layer + c["vocab_size"]
+    return c["num_hidden_layers"] * per_layer + with_head * c["vocab_size"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,20 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     for name, core in engines.items():
         run(core, prompts(2, 99), f"warmup-{name}", output=8)
     bandwidth = triad_bandwidth()
-    activation = {name: name.partition(INT8_SUFFIX)[0] for name in dtypes}
+    activation = {name: split_name(name)[0] for name in dtypes}
     peaks = {name: matmul_peak(getattr(torch, name)) for name in set(activation.values())}
     print(f"torch threads {torch.get_num_threads()}; triad {bandwidth / 1e9:.1f} GB/s; matmul peak "
           + ", ".join(f"{n} {p / 1e9:.0f} GFLOP/s" for n, p in peaks.items()))  # fmt: skip
     for round_ in range(args.rounds):
         for name, core in engines.items():
             dtype = getattr(torch, activation[name])
-            int8 = name.endswith(INT8_SUFFIX)
+            quantized = split_name(name)[1]
             _, decode_s, produced = run(
                 core, prompts(1, round_), f"b1-{name}-{round_}", args.output
             )
             rate = (produced - 1) / decode_s
             print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
-                  + decode_roofline(rate, decode_bytes(dtype, args.output, int8), bandwidth), flush=True)  # fmt: skip
+                  + decode_roofline(rate, decode_bytes(dtype, args.output, quantized), bandwidth), flush=True)  # fmt: skip
             if args.skip_batched:
                 continue
             first_s, rest_s, produced = run(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from ember_testing.tiny_models import tiny_w8a8_model_path
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.model_loader import load_model
@@ -105,3 +106,19 @@ def test_int8_weight_only_agrees_within_5_points_of_transformers_bf16(tiny_model
             f"agreement with fp32: transformers bf16 {hf_bf16:.3f}, Ember int8 {dtype} {int8:.3f}"
         )
         assert int8 >= hf_bf16 - 0.05
+
+
+def test_w8a8_checkpoint_agreement_stays_where_measured(tiny_model):
+    """A W8A8 checkpoint of the same model (int8 activations per token besides int8 weights):
+    the issue sets no target; on this sensitive model it measured 8-10 points below transformers'
+    bfloat16 (85-87% against 95%), and this guards that level (12 points)."""
+    path = tiny_model("llama", **SIZES)
+    prompts, continuations = _references(path)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    w8a8_path = tiny_w8a8_model_path("llama", **SIZES)
+    for dtype in (torch.bfloat16, torch.float32):
+        w8a8 = _ember_agreement(w8a8_path, dtype, prompts, continuations)
+        print(
+            f"agreement with fp32: transformers bf16 {hf_bf16:.3f}, Ember W8A8 {dtype} {w8a8:.3f}"
+        )
+        assert w8a8 >= hf_bf16 - 0.12

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from ember_kernels import cpu_ops
 from ember_kernels.packed_linear import packable_dtypes
+from ember_testing.tiny_models import tiny_w8a8_model_path
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from ember_worker.layers import linear as linear_layers
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
@@ -135,7 +136,8 @@ CPU_STACK_MODELS = [
     ("dtype", "packed"),
     [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
     + [(torch.bfloat16, True)] * (torch.bfloat16 in packable_dtypes())
-    + [(torch.float32, "int8"), (torch.bfloat16, "int8")],
+    + [(torch.float32, "int8"), (torch.bfloat16, "int8")]
+    + [(torch.float32, "w8a8"), (torch.bfloat16, "w8a8")],
 )
 @pytest.mark.parametrize(("arch", "overrides"), CPU_STACK_MODELS)
 def test_the_compiled_cpu_stack_equals_the_per_operation_path(
@@ -143,19 +145,20 @@ def test_the_compiled_cpu_stack_equals_the_per_operation_path(
 ):
     """Bit for bit, over a mixed step (prefills, a chunk after cached tokens, a decode) and then a
     decode of each sequence, each path on KV caches of its own, with plain weights and with
-    weights packed for oneDNN, and with int8 weights (``int8_weight_only``); the stack did run, on
-    the caches bound last."""
+    weights packed for oneDNN, and with int8 weights (``int8_weight_only``, and a W8A8
+    checkpoint's); the stack did run, on the caches bound last."""
     # the test models' are small
     monkeypatch.setitem(linear_layers.MIN_PACKED_ELEMENTS, torch.float32, 0)
-    int8 = packed == "int8"
+    int8, w8a8 = packed == "int8", packed == "w8a8"
+    write = tiny_w8a8_model_path if w8a8 else tiny_model
     loaded = load_model(
-        tiny_model(arch, **overrides),
+        write(arch, **overrides),
         dtype=dtype,
         pack_weights=packed is True,
         quantization="int8_weight_only" if int8 else None,
     )
     down = loaded.model.model.layers[0].mlp.down_proj.weight
-    assert down.is_mkldnn == (packed is True) and (down.dtype == torch.int8) == int8
+    assert down.is_mkldnn == (packed is True) and (down.dtype == torch.int8) == (int8 or w8a8)
     c, model = loaded.config, loaded.model
     spec = KVCacheSpec(c.num_hidden_layers, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
     gen = torch.Generator().manual_seed(1)

@@ -129,6 +129,7 @@ __all__ = [
     "QWEN_15B_CONFIG",
     "tiny_classifier_path",
     "tiny_model_path",
+    "tiny_w8a8_model_path",
     "tokenizer_path",
 ]
 
@@ -182,3 +183,70 @@ def tiny_classifier_path(
         raise ValueError(f"arch must be one of {CLASSIFIER_ARCHITECTURES}, got {arch!r}")
     config = {**ARCH_CONFIGS[arch], "num_labels": num_labels, **overrides}
     return random_model_path(arch, seed, None, sequence_classification=True, **config)
+
+
+# The linear layers a W8A8 checkpoint quantizes (every one inside the decoder layers).
+W8A8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# config.json's quantization_config as llm-compressor writes it for W8A8 int8 (dynamic per-token
+# activations, per-channel weights, the LM head left in float).
+W8A8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "ignore": ["lm_head"],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "output_activations": None,
+            "weights": dict(
+                type="int", num_bits=8, symmetric=True, strategy="channel", dynamic=False,
+                group_size=None, observer="minmax", actorder=None, block_structure=None,
+            ),
+            "input_activations": dict(
+                type="int", num_bits=8, symmetric=True, strategy="token", dynamic=True,
+                group_size=None, observer=None, actorder=None, block_structure=None,
+            ),
+        }
+    },
+}  # fmt: skip
+
+
+def tiny_w8a8_model_path(arch: str, seed: int = 0, **overrides: Any) -> pathlib.Path:
+    """Path of a cached W8A8 int8 compressed-tensors checkpoint made from ``tiny_model_path(arch,
+    seed, **overrides)``: each projection's weight quantized symmetrically per output channel to
+    an int8 ``weight`` and a float32 ``weight_scale [out, 1]``, the rest as it was."""
+    source = tiny_model_path(arch, seed, **overrides)
+    return _write_atomically(
+        source.parent / f"{source.name}-w8a8-v1", lambda out: _write_w8a8(source, out)
+    )
+
+
+def _write_w8a8(source: pathlib.Path, out: pathlib.Path) -> None:
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.endswith(".weight") and name.split(".")[-2] in W8A8_PROJECTIONS:
+                amax = tensor.float().abs().amax(dim=1, keepdim=True)
+                scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+                q = torch.round(tensor.float() / scale).clamp(-127, 127).to(torch.int8)
+                tensors[name] = q.contiguous()
+                tensors[name.removesuffix("weight") + "weight_scale"] = scale.contiguous()
+            else:
+                tensors[name] = tensor.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for item in source.iterdir():
+        if item.suffix != ".safetensors" and item.name not in (
+            "config.json",
+            "model.safetensors.index.json",
+        ):
+            shutil.copy2(item, out / item.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = W8A8_QUANTIZATION_CONFIG
+    (out / "config.json").write_text(json.dumps(config, indent=2))

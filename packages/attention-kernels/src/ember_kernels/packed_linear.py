@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ember_kernels.cpu_features import has_bf16_arithmetic
 from ember_kernels.int8_linear import int8_linear
+from ember_kernels.w8a8_linear import w8a8_linear
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -54,13 +55,20 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` for a plain weight, one from ``pack_linear_weight``, or an int8 one with its
-    per-channel ``scales`` (``ember_kernels.int8_linear.quantize_int8``)."""
+    per-channel ``scales`` (``ember_kernels.int8_linear.quantize_int8``): weight-only, or with
+    ``quantize_activations`` W8A8, ``x`` quantized to int8 per token
+    (``ember_kernels.w8a8_linear``)."""
     if weight.dtype == torch.int8:
         if scales is None:
             raise ValueError("scales: an int8 weight needs its per-channel scales")
+        if quantize_activations:
+            return w8a8_linear(x, weight, scales, bias)
         return int8_linear(x, weight, scales, bias)
+    if quantize_activations:
+        raise ValueError(f"quantize_activations: needs an int8 weight, got {weight.dtype}")
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

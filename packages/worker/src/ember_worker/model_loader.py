@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from ember_kernels import cpu_features
+from ember_worker import compressed_tensors
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
 from ember_worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from ember_worker.models.moe_config import with_expert_parallel
-from ember_worker.quantization import check_quantization, quantize_model
+from ember_worker.quantization import check_quantization, quantize_model, resolve_quantization
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,11 +135,15 @@ def load_model(
     ``pack_weights`` then packs the linear weights for oneDNN where it can (float32 on the CPU;
     ``DecoderForCausalLM.pack_linear_weights``), as the engine does; off, every weight stays a
     plain tensor. ``quantization`` (``ember_worker.quantization``) is applied after loading,
-    before packing; packing leaves int8 weights as they are. ``expert_parallel`` places whole
-    experts of a mixture-of-experts model on the ``tp`` ranks (``MoeConfig.expert_parallel``)."""
+    before packing; packing leaves int8 weights as they are. A compressed-tensors W8A8
+    checkpoint loads its int8 weights and scales as they are (``quantization`` None or
+    ``"compressed-tensors"``). ``expert_parallel`` places whole experts of a mixture-of-experts
+    model on the ``tp`` ranks (``MoeConfig.expert_parallel``)."""
     check_quantization(quantization)
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
+    checkpoint = compressed_tensors.checkpoint_quantization(hf_config)
+    quantization = resolve_quantization(quantization, checkpoint)
     config = with_expert_parallel(DecoderConfig.from_hf_config(hf_config), expert_parallel)
     torch_dtype, why = choose_dtype(dtype, hf_config, device)
     logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)
@@ -147,9 +152,16 @@ def load_model(
         model_class = GemmaForCausalLM
     with torch.device(device):
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
-    decoder.load_weights(iterate_weights(safetensors_files(path), keep=decoder.holds_tensor))
+    weights = iterate_weights(safetensors_files(path), keep=decoder.holds_tensor)
+    if checkpoint is not None:
+        if config.num_labels:
+            raise ValueError(f"{compressed_tensors.FIELD}: a quantized classifier is not supported")
+        compressed_tensors.prepare_w8a8(decoder)
+        weights = compressed_tensors.w8a8_tensors(weights)
+        logger.info("weights: W8A8 int8 (%s checkpoint)", checkpoint)
+    decoder.load_weights(weights)
     decoder.eval()
-    if quantization is not None:
+    if quantization is not None and checkpoint is None:
         quantize_model(decoder, quantization)
         logger.info("weights quantized: %s", quantization)
     if pack_weights:

@@ -7,6 +7,9 @@ channel; activations, norms, the embedding and the KV cache keep the model's dty
 torchao's for this scheme (vLLM has no name for weight-only int8 of dense layers; it reaches
 torchao's through ``quantization="torchao"``). Under tensor parallelism each rank quantizes its own
 shards, so the scales are those of the full weight's rows that the rank holds.
+
+``compressed-tensors`` (vLLM's name): a checkpoint already quantized, W8A8 int8
+(``ember_worker.compressed_tensors``); found from its config.json whether named or not.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the API server checks the name without importing torch
     from ember_worker.models import DecoderForCausalLM
 
-QUANTIZATION_METHODS = ("int8_weight_only",)
+# vLLM's name, and the ``quant_method`` such a checkpoint's config.json names.
+COMPRESSED_TENSORS = "compressed-tensors"
+QUANTIZATION_METHODS = ("int8_weight_only", COMPRESSED_TENSORS)
+# Quantizations applied to a float checkpoint's weights after loading.
+POST_LOAD_METHODS = ("int8_weight_only",)
 
 
 def check_quantization(quantization: str | None, owner: str = "quantization") -> str | None:
@@ -29,8 +36,27 @@ def check_quantization(quantization: str | None, owner: str = "quantization") ->
     return quantization
 
 
+def resolve_quantization(quantization: str | None, checkpoint: str | None) -> str | None:
+    """The quantization to run: ``checkpoint``'s own (``compressed_tensors.
+    checkpoint_quantization``), which ``quantization`` may name or leave None, else
+    ``quantization``; ValueError naming the field where they conflict."""
+    check_quantization(quantization)
+    if checkpoint is not None and quantization not in (None, checkpoint):
+        raise ValueError(
+            f"quantization: the checkpoint is already quantized ({checkpoint}); "
+            f"got {quantization!r}, expected None or {checkpoint!r}"
+        )
+    if checkpoint is None and quantization == COMPRESSED_TENSORS:
+        raise ValueError(
+            f"quantization: {COMPRESSED_TENSORS!r} needs a checkpoint whose config.json has a "
+            f"{COMPRESSED_TENSORS} quantization_config"
+        )
+    return checkpoint or quantization
+
+
 def quantize_model(model: DecoderForCausalLM, quantization: str | None) -> None:
-    """Apply ``quantization`` to a loaded model's weights in place (None: nothing)."""
-    if check_quantization(quantization) is None:
+    """Apply ``quantization`` to a loaded model's weights in place (None, or a checkpoint's own:
+    nothing)."""
+    if check_quantization(quantization) not in POST_LOAD_METHODS:
         return
     model.quantize_linear_weights()

@@ -111,6 +111,14 @@ def lora_expand(
     return y
 
 
+def w8a8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [rows, in]`` quantized to int8 per row times an int8 ``q [out, in]`` with float32
+    ``scales [out]``, plus ``bias`` (see ``ember_kernels.w8a8_linear``)."""
+    return _library().w8a8_linear(x, q.contiguous(), scales.contiguous(), bias)
+
+
 def decoder_stack(
     num_heads: int,
     num_kv_heads: int,
@@ -125,7 +133,8 @@ def decoder_stack(
     q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, key_cache,
     value_cache, sliding_window)`` (weights as ``[out, in]`` tensors, held, not copied; absent
     biases and norms as None; window 0 for none; int8 weights followed by
-    ``set_weight_scales(qkv, o_proj, gate_up, down)`` with their per-channel scales), then call ``forward(hidden_states, residual,
+    ``set_weight_scales(qkv, o_proj, gate_up, down, quantize_activations)`` with their
+    per-channel scales, and whether the activations are quantized per token: W8A8), then call ``forward(hidden_states, residual,
     positions, slot_mapping, block_table, query_start_loc, seq_lens)`` for ``(hidden_states,
     residual)`` after every layer, with the same numbers as the per-operation functions here.
     Runs without the GIL."""

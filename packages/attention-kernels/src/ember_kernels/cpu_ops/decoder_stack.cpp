@@ -19,13 +19,14 @@ at::Tensor held(const std::optional<at::Tensor>& t) { return t.has_value() ? *t 
 
 // y = x W^T (+ b), with the bias inside the matmul (column-parallel projections). A weight
 // packed for oneDNN (ember_kernels.packed_linear) goes through the operation its ``linear``
-// calls, an int8 one with its scales through int8_linear, a plain one through at::linear, as in
-// the per-operation path.
+// calls, an int8 one with its scales through int8_linear (or w8a8_linear with
+// quantize_activations), a plain one through at::linear, as in the per-operation path.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                  const at::Tensor& scales) {
+                  const at::Tensor& scales, bool quantize_activations) {
   if (weight.scalar_type() == at::kChar) {
-    return int8_linear(x, weight, scales,
-                       bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    const auto held_bias = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    return quantize_activations ? w8a8_linear(x, weight, scales, held_bias)
+                                : int8_linear(x, weight, scales, held_bias);
   }
   if (weight.is_mkldnn()) {
     static const auto packed =
@@ -43,8 +44,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
 // y = x W^T, then + b (row-parallel projections add their bias after the partial sums).
 at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, const at::Tensor& scales) {
-  at::Tensor y = linear(x, weight, at::Tensor(), scales);
+                            const at::Tensor& bias, const at::Tensor& scales,
+                            bool quantize_activations) {
+  at::Tensor y = linear(x, weight, at::Tensor(), scales, quantize_activations);
   return bias.defined() ? y + bias : y;
 }
 
@@ -99,7 +101,7 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
 }
 
 void DecoderStack::set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up,
-                                     at::Tensor down) {
+                                     at::Tensor down, bool quantize_activations) {
   TORCH_CHECK_VALUE(!layers_.empty(), "set_weight_scales: add a layer first");
   Layer& layer = layers_.back();
   const std::pair<const at::Tensor*, const at::Tensor*> pairs[] = {
@@ -114,6 +116,7 @@ void DecoderStack::set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tens
   layer.o_scale = o_proj.contiguous();
   layer.gate_up_scale = gate_up.contiguous();
   layer.down_scale = down.contiguous();
+  layer.quantize_activations = quantize_activations;
 }
 
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
@@ -137,7 +140,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     } else {
       std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
     }
-    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale);
+    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale,
+                                  layer.quantize_activations);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
     const at::Tensor v =
@@ -155,11 +159,12 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     paged_attention(q, key_cache, value_cache, table32, starts32, lens32, scale_,
                     layer.sliding_window, 0.0, attended);
     hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias,
-                              layer.o_scale);
+                              layer.o_scale, layer.quantize_activations);
     std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.post_norm, eps_);
     hidden = linear_then_bias(
-        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale)),
-        layer.down, layer.down_bias, layer.down_scale);
+        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale,
+                            layer.quantize_activations)),
+        layer.down, layer.down_bias, layer.down_scale, layer.quantize_activations);
   }
   return {hidden, residual};
 }

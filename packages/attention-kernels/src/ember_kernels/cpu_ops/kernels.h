@@ -38,6 +38,10 @@ void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
                  double scale, at::Tensor& out);
 void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
                  const at::Tensor& slots, int64_t y_offset, int64_t h_offset);
+// W8A8: x [M, K] quantized to int8 per row (symmetric, one float32 scale each), times an int8
+// weight [N, K] with float32 scales [N] in int32, scaled back and + bias; y [M, N] in x's dtype.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias);
 
 void reshape_and_cache(
     const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -61,8 +65,10 @@ class DecoderStack {
                  std::optional<at::Tensor> down_bias, at::Tensor key_cache,
                  at::Tensor value_cache, int64_t sliding_window);
 
-  // The per-channel scales of the last added layer's int8 weights (int8_linear), all four.
-  void set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up, at::Tensor down);
+  // The per-channel scales of the last added layer's int8 weights, all four: weight-only
+  // (int8_linear), or with quantize_activations W8A8 (w8a8_linear).
+  void set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up, at::Tensor down,
+                         bool quantize_activations);
 
   // (hidden_states, residual) after every layer; ``residual`` None before the first layer.
   std::tuple<at::Tensor, at::Tensor> forward(
@@ -76,6 +82,7 @@ class DecoderStack {
         gate_up_bias, down, down_bias, key_cache, value_cache;
     int64_t sliding_window;
     at::Tensor qkv_scale, o_scale, gate_up_scale, down_scale;  // undefined: float weights
+    bool quantize_activations = false;                         // W8A8
   };
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;

@@ -71,7 +71,8 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
-    # Applied to the weights after loading; "int8_weight_only" (ember_worker.quantization).
+    # "int8_weight_only" (applied to the weights after loading) or "compressed-tensors" (a W8A8
+    # checkpoint's own, found from its config.json when None); ember_worker.quantization.
     quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -206,7 +207,8 @@ class EngineArgs:
             default=None,
             choices=QUANTIZATION_METHODS,
             help="Quantize the weights after loading (int8_weight_only: int8 per output channel, "
-            "activations in --dtype).",
+            "activations in --dtype), or compressed-tensors: a W8A8 int8 checkpoint's own "
+            "(found from its config.json without this flag).",
         )
         group.add_argument(
             "--max-model-len",

@@ -34,9 +34,13 @@ def empty_weight(output_size: int, input_size: int, dtype: torch.dtype | None) -
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with the output features split across the group (no gather)."""
+    """``y = x W^T + b`` with the output features split across the group (no gather).
 
-    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+    An int8 weight has its per-output-channel ``weight_scale`` (a parameter, so that a quantized
+    checkpoint's scales load as the weight does); ``quantize_activations`` makes it W8A8.
+    """
+
+    quantize_activations = False  # int8 activations per token (ember_kernels.w8a8_linear)
     # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
     lora = None
 
@@ -55,9 +59,10 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = divide(output_size, tp.size, "output size")
         self.weight = empty_weight(self.output_size_per_partition, input_size, dtype)
         self.bias = _empty_parameter(self.output_size_per_partition, dtype=dtype) if bias else None
+        self.register_parameter("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.bias, self.weight_scale, self.quantize_activations)
         return y if self.lora is None else self.lora(x, y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -135,9 +140,11 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with the input features split across the group and the output summed."""
+    """``y = x W^T + b`` with the input features split across the group and the output summed;
+    ``weight_scale`` and ``quantize_activations`` as ``ColumnParallelLinear``'s (the scales are
+    per output channel, so every rank holds them whole)."""
 
-    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+    quantize_activations = False
     # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
     lora = None
 
@@ -155,10 +162,12 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, tp.size, "input size")
         self.weight = empty_weight(output_size, self.input_size_per_partition, dtype)
         self.bias = _empty_parameter(output_size, dtype=dtype) if bias else None
+        self.register_parameter("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
-        out = self.tp.all_reduce(linear(x, self.weight, scales=self.weight_scale))
+        partial = linear(x, self.weight, None, self.weight_scale, self.quantize_activations)
+        out = self.tp.all_reduce(partial)
         if self.lora is not None:
             out = self.lora(x, out)
         return out if self.bias is None else out + self.bias
@@ -195,7 +204,20 @@ def quantize_weight(module: nn.Module) -> None:
     float weight is let go."""
     q, scales = quantize_int8(module.weight.data)
     module.weight = nn.Parameter(q, requires_grad=False)
-    module.weight_scale = scales  # shadows the class default None
+    module.weight_scale = nn.Parameter(scales, requires_grad=False)
+
+
+def make_w8a8(module: nn.Module) -> None:
+    """Make ``module`` (a linear layer before loading) hold an int8 weight of the same shape and
+    float32 per-output-channel ``weight_scale`` for a W8A8 checkpoint to load into, and quantize
+    its activations per token when it runs (``ember_kernels.w8a8_linear``)."""
+    weight = module.weight
+    device = weight.device
+    q = torch.empty(weight.shape, dtype=torch.int8, device=device)
+    module.weight = nn.Parameter(q, requires_grad=False)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=device)
+    module.weight_scale = nn.Parameter(scales, requires_grad=False)
+    module.quantize_activations = True
 
 
 def _copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:

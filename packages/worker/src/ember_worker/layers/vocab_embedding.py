@@ -67,7 +67,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _empty_table(self, rows: int, dim: int, dtype: torch.dtype | None) -> nn.Parameter:
         return empty_weight(rows, dim, dtype)
 
-    weight_scale: torch.Tensor | None = None  # per-channel scales of an int8 weight
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp: TensorParallelGroup = SINGLE_RANK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp=tp, dtype=dtype)
+        self.register_parameter("weight_scale", None)  # per-channel scales of an int8 weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(linear(hidden_states, self.weight, scales=self.weight_scale))

@@ -66,11 +66,12 @@ def build_cpu_stack(layers: list[DecoderLayer]):
             value_cache,
             attn.attn.sliding_window or 0,
         )
-        if attn.qkv_proj.weight_scale is not None:  # int8 weights (int8_weight_only)
+        if attn.qkv_proj.weight_scale is not None:  # int8 weights (weight-only or W8A8)
             stack.set_weight_scales(
                 attn.qkv_proj.weight_scale,
                 attn.o_proj.weight_scale,
                 mlp.gate_up_proj.weight_scale,
                 mlp.down_proj.weight_scale,
+                attn.qkv_proj.quantize_activations,
             )
     return stack
