@@ -61,7 +61,7 @@ from ember_server.engine.llm import LLM
 model, config, token_ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 settings = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 sampling = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23, **settings)
+llm = LLM(model, kv_transfer_config=config, kv_cache_memory=1 << 23, **{"dtype": "float32", **settings})
 [out] = llm.generate({"prompt_token_ids": token_ids},
                      SamplingParams(max_tokens=8, temperature=0.0, **sampling), use_tqdm=False)
 registry, name = llm.metrics.registry, llm.model_config.served_model_name
