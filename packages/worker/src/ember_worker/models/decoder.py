@@ -67,26 +67,40 @@ class DecoderAttention(nn.Module):
             dtype=dtype,
         )
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+            self.q_norm = self.head_norm(head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = self.head_norm(head_dim, config.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
+        rope_theta, rope_scaling = self.rope_base(config, layer_index)
         self.rotary_emb = ek.RotaryEmbedding(
             head_dim,
             config.rotary_dim,
             config.max_position_embeddings,
-            config.rope_theta,
+            rope_theta,
             is_neox_style=True,
-            rope_scaling=config.rope_scaling,
+            rope_scaling=rope_scaling,
             dtype=dtype,
         )
         self.attn = PagedAttention(
             self.num_heads,
             head_dim,
             self.num_kv_heads,
-            scale=head_dim**-0.5,
             sliding_window=config.sliding_windows[layer_index],
+            **self.score_settings(config),
         )
+
+    # What variants of this attention (Gemma's) choose differently.
+    head_norm = RMSNorm  # the q/k norm's class
+
+    @staticmethod
+    def rope_base(config: DecoderConfig, layer_index: int) -> tuple[float, dict | None]:
+        """(rope_theta, rope_scaling) of layer ``layer_index``."""
+        return config.rope_theta, config.rope_scaling
+
+    @staticmethod
+    def score_settings(config: DecoderConfig) -> dict:
+        """The attention scores' ``scale`` (and ``soft_cap``) for ``PagedAttention``."""
+        return {"scale": config.head_dim**-0.5}
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata

@@ -18,18 +18,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import ember_kernels as ek
 from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
-from ember_worker.layers.attention import AttentionMetadata, PagedAttention
+from ember_worker.layers.attention import AttentionMetadata
 from ember_worker.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ember_worker.models.config import DecoderConfig, rope_settings
-from ember_worker.models.decoder import DecoderForCausalLM
+from ember_worker.models.decoder import DecoderAttention, DecoderForCausalLM
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -105,75 +103,24 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GemmaAttention(nn.Module):
-    """q/k/v projection, optional per-head q/k norm, RoPE (local or global base), paged attention
-    with Gemma's query scale and score soft-cap, o_proj."""
+class GemmaAttention(DecoderAttention):
+    """``DecoderAttention`` with Gemma's ``(1 + w)`` q/k norm, the local RoPE base on sliding
+    layers, the query scale ``query_pre_attn_scalar ** -0.5`` and the score soft-cap."""
 
-    def __init__(
-        self, config: GemmaConfig, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.qkv_bias,
-            tp=tp,
-            dtype=dtype,
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.head_dim = head_dim
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim,
-            config.hidden_size,
-            bias=config.o_proj_bias,
-            tp=tp,
-            dtype=dtype,
-        )
-        if config.qk_norm:
-            self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        window = config.sliding_windows[layer_index]
-        local = window is not None
-        self.rotary_emb = ek.RotaryEmbedding(
-            head_dim,
-            config.rotary_dim,
-            config.max_position_embeddings,
-            config.local_rope_theta if local else config.rope_theta,
-            is_neox_style=True,
-            rope_scaling=config.local_rope_scaling if local else config.rope_scaling,
-            dtype=dtype,
-        )
-        self.attn = PagedAttention(
-            self.num_heads,
-            head_dim,
-            self.num_kv_heads,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=window,
-            soft_cap=config.attn_logit_softcapping,
-        )
+    head_norm = GemmaRMSNorm
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden_states.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, metadata)
-        return self.o_proj(out)
+    @staticmethod
+    def rope_base(config: GemmaConfig, layer_index: int) -> tuple[float, dict | None]:
+        if config.sliding_windows[layer_index] is not None:
+            return config.local_rope_theta, config.local_rope_scaling
+        return config.rope_theta, config.rope_scaling
+
+    @staticmethod
+    def score_settings(config: GemmaConfig) -> dict:
+        return {
+            "scale": config.query_pre_attn_scalar**-0.5,
+            "soft_cap": config.attn_logit_softcapping,
+        }
 
 
 class GemmaMLP(nn.Module):
