@@ -143,40 +143,21 @@ class LocalAttentionManager(KVCacheManager):
             extras,
         )
 
-    def allocate_slots(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        num_new_tokens: int,
-        *,
-        num_computed_tokens: int = 0,
-        computed: ComputedBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        extras: BlockHashExtras | None = None,
-        delay_cache_blocks: bool = False,
-    ) -> list[int] | None:
-        state = self._requests.get(request_id)
-        if state is not None and num_computed_tokens >= state.skip_boundary:
-            self._free_skipped(request_id, state, num_computed_tokens)
-        return super().allocate_slots(
-            request_id,
-            token_ids,
-            num_new_tokens,
-            num_computed_tokens=num_computed_tokens,
-            computed=computed,
-            num_lookahead_tokens=num_lookahead_tokens,
-            extras=extras,
-            delay_cache_blocks=delay_cache_blocks,
-        )
+    def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, **kw):
+        """``KVCacheManager.allocate_slots``, after freeing the blocks that left the window."""
+        self._free_left_window(request_id, kw.get("num_computed_tokens", 0))
+        return super().allocate_slots(request_id, token_ids, num_new_tokens, **kw)
 
     def blocks_needed(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, **kw):
         """Blocks ``allocate_slots`` would take off the free queue now (None: more than are
         free), after freeing what left the window; allocates nothing."""
+        self._free_left_window(request_id, kw.get("num_computed_tokens", 0))
+        return blocks_needed(self, request_id, token_ids, num_new_tokens, **kw)
+
+    def _free_left_window(self, request_id: str, num_computed: int) -> None:
         state = self._requests.get(request_id)
-        num_computed = kw.get("num_computed_tokens", 0)
         if state is not None and num_computed >= state.skip_boundary:
             self._free_skipped(request_id, state, num_computed)
-        return blocks_needed(self, request_id, token_ids, num_new_tokens, **kw)
 
     def _free_skipped(self, request_id: str, state: _RequestBlocks, num_computed: int) -> None:
         if num_computed > state.capacity:

@@ -125,13 +125,15 @@ class EngineRecovery:
     async def wait_for_engine(self) -> None:
         """Return once some engine core is alive; raise the engine's error if none will be."""
         if not self._engine_alive.is_set():
-            await asyncio.wait(
-                [
-                    asyncio.ensure_future(self._engine_alive.wait()),
-                    asyncio.ensure_future(self.llm.wait_until_dead()),
-                ],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            waits = [
+                asyncio.ensure_future(self._engine_alive.wait()),
+                asyncio.ensure_future(self.llm.wait_until_dead()),
+            ]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
         if self.llm.dead_error is not None:
             raise self.llm.dead_error
 
