@@ -4,7 +4,10 @@ stream of ``tool_calls``)."""
 
 from __future__ import annotations
 
-from ember_server.engine.outputs import CompletionOutput
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ember_server.engine.outputs import CompletionOutput, RequestOutput
 from ember_server.openai.protocol_chat import DeltaMessage
 from ember_server.openai.reasoning import ReasoningStream
 
@@ -41,3 +44,29 @@ class ChoiceStream:
             tail, finish_reason = self.calls.finish(finish_reason)
             pieces.append((tail or DeltaMessage(), finish_reason))
         return pieces
+
+
+@dataclass
+class StreamTotals:
+    """What a one-choice stream has counted so far (for its usage block)."""
+
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def one_choice_pieces(
+    choice: ChoiceStream, outputs: AsyncIterator[RequestOutput], totals: StreamTotals
+) -> AsyncIterator[tuple[DeltaMessage | None, CompletionOutput | None, str | None]]:
+    """Walk a one-choice stream for the routes that shape their own events (Anthropic messages,
+    Responses): each piece as ``(piece, None, None)``; when the choice finishes, ``(None,
+    output, finish_reason)`` once. ``totals`` is kept current for the usage blocks."""
+    async for delta in outputs:
+        totals.cached_tokens = delta.num_cached_tokens
+        for output in delta.outputs:
+            totals.output_tokens += len(output.token_ids)
+            finish_reason = output.finish_reason
+            for piece, reason in choice.pieces(output, False):
+                yield piece, None, None
+                finish_reason = reason or finish_reason
+            if output.finish_reason is not None:
+                yield None, output, finish_reason

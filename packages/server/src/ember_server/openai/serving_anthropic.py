@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ember_server.engine.outputs import CompletionOutput, RequestOutput
-from ember_server.openai.chat_stream import ChoiceStream
+from ember_server.openai.chat_stream import ChoiceStream, StreamTotals, one_choice_pieces
 from ember_server.openai.errors import from_validation_error
 from ember_server.openai.protocol import random_id
 from ember_server.openai.protocol_anthropic import (
@@ -174,42 +174,36 @@ class AnthropicServingMessages:
     ) -> AsyncIterator[str]:
         blocks = _ContentBlocks()
         choice = self.chat.choice_stream(chat_request) or ChoiceStream(None, None)
-        output_tokens = cached_tokens = 0
+        totals = StreamTotals()
         started = False
         try:
-            async for delta in outputs:
-                cached_tokens = delta.num_cached_tokens
+            async for piece, output, finish_reason in one_choice_pieces(choice, outputs, totals):
                 if not started:
                     started = True
                     message = MessagesResponse(
                         id=message_id,
                         model=self.chat.model_name,
                         content=[],
-                        usage=usage(prompt_tokens, 0, cached_tokens),
+                        usage=usage(prompt_tokens, 0, totals.cached_tokens),
                     )
                     yield _event({"type": "message_start", "message": message.model_dump()})
                     yield _event(PING)
-                for output in delta.outputs:
-                    output_tokens += len(output.token_ids)
-                    finish_reason = output.finish_reason
-                    for piece, reason in choice.pieces(output, False):
-                        for event in blocks.feed(piece):
-                            yield event
-                        finish_reason = reason or finish_reason
-                    if output.finish_reason is None:
-                        continue
-                    for event in blocks.close():
+                if output is None:
+                    for event in blocks.feed(piece):
                         yield event
-                    reason, sequence = stop_reason(finish_reason, output.stop_reason)
-                    final_usage = usage(prompt_tokens, output_tokens, cached_tokens)
-                    yield _event(
-                        {
-                            "type": "message_delta",
-                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                            "usage": final_usage.model_dump(),
-                        }
-                    )
-                    yield _event({"type": "message_stop"})
+                    continue
+                for event in blocks.close():
+                    yield event
+                reason, sequence = stop_reason(finish_reason, output.stop_reason)
+                final_usage = usage(prompt_tokens, totals.output_tokens, totals.cached_tokens)
+                yield _event(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": final_usage.model_dump(),
+                    }
+                )
+                yield _event({"type": "message_stop"})
         except Exception as exc:
             error = self.chat.engine_failure(exc)
             yield _event(anthropic_error_body(error.message, error.status))

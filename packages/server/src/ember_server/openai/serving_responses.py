@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ember_server.engine.outputs import RequestOutput
-from ember_server.openai.chat_stream import ChoiceStream
+from ember_server.openai.chat_stream import ChoiceStream, StreamTotals, one_choice_pieces
 from ember_server.openai.errors import OpenAIError, error_body, from_validation_error
 from ember_server.openai.protocol import random_id
 from ember_server.openai.protocol_chat import ChatCompletionRequest, DeltaMessage
@@ -242,29 +242,21 @@ class OpenAIServingResponses:
     ) -> AsyncIterator[str]:
         events = _ItemEvents()
         choice = self.chat.choice_stream(chat_request) or ChoiceStream(None, None)
-        output_tokens = cached_tokens = 0
+        totals = StreamTotals()
         yield events.event("response.created", response=base)
         yield events.event("response.in_progress", response=base)
         try:
-            async for delta in outputs:
-                cached_tokens = delta.num_cached_tokens
-                for output in delta.outputs:
-                    output_tokens += len(output.token_ids)
-                    finish_reason = output.finish_reason
-                    for piece, reason in choice.pieces(output, False):
-                        for event in events.feed(piece):
-                            yield event
-                        finish_reason = reason or finish_reason
-                    if output.finish_reason is None:
-                        continue
-                    for event in events.close():
+            async for piece, output, finish_reason in one_choice_pieces(choice, outputs, totals):
+                if output is None:
+                    for event in events.feed(piece):
                         yield event
-                    usage = _usage(prompt_tokens, output_tokens, cached_tokens)
-                    response = self._finish(
-                        request, base, events.items, finish_reason, usage, messages
-                    )
-                    kind = "completed" if response["status"] == "completed" else "incomplete"
-                    yield events.event(f"response.{kind}", response=response)
+                    continue
+                for event in events.close():
+                    yield event
+                usage = _usage(prompt_tokens, totals.output_tokens, totals.cached_tokens)
+                response = self._finish(request, base, events.items, finish_reason, usage, messages)
+                kind = "completed" if response["status"] == "completed" else "incomplete"
+                yield events.event(f"response.{kind}", response=response)
         except Exception as exc:
             error = self.chat.engine_failure(exc)
             body = error_body(error.message, error.status, error.param).model_dump()["error"]
