@@ -25,8 +25,9 @@ from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
-# Restarts of a dead engine core within ``recovery.RESTART_WINDOW`` before the server gives up.
+# Restarts of a dead engine core within RESTART_WINDOW seconds before the server gives up.
 DEFAULT_MAX_ENGINE_RESTARTS = 3
+RESTART_WINDOW = 300.0
 # Whether ``async_scheduling`` is on when not given (README: measured in bench_async_scheduling).
 DEFAULT_ASYNC_SCHEDULING = False
 _BYTE_UNITS = {
@@ -365,8 +366,9 @@ class EngineArgs:
             "--max-engine-restarts",
             type=int,
             default=DEFAULT_MAX_ENGINE_RESTARTS,
-            help="Restarts of a dead engine core within 5 minutes (its requests move to a live "
-            "or restarted engine) before the server gives up and exits 1; 0: fail at once.",
+            help=f"Restarts of a dead engine core within {RESTART_WINDOW:g} s (its requests move "
+            "to a live or restarted engine) before the server gives up and exits 1; 0: fail at "
+            "once.",
         )
         add_lora_cli_args(group)
         return parser

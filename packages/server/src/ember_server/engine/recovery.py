@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 from ember_scheduler.engine_types import SchedulerStats
 from ember_server.engine.core_client import AsyncMPClient, EngineDeadError
+from ember_server.engine.engine_args import RESTART_WINDOW
 
 if TYPE_CHECKING:
     from ember_server.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
-RESTART_WINDOW = 300.0  # seconds over which max_engine_restarts counts
 MAX_MIGRATIONS = 3
 # Seconds before the n-th restart within the window (the last repeats).
 RESTART_BACKOFF = (0.0, 1.0, 4.0, 10.0)
