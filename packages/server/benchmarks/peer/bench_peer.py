@@ -29,6 +29,7 @@ library, so vLLM's interpreter can run this file too.
 
     nox -s peer
     nox -s peer -- --models qwen-0.5b --dtypes bfloat16
+    nox -s peer -- --models qwen-0.5b qwen-1.5b --offline-only
     python packages/server/benchmarks/peer/bench_peer.py --vllm-python /path/to/vllm/venv/bin/python
     python packages/server/benchmarks/peer/bench_peer.py ember-served --model wide -- --num-threads 1
 """
@@ -45,6 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from process_cpu import ProcessCPU, cpu_ticks
 
 # name -> (architecture, config overrides, or the name of a shape in ember_testing.tiny_models)
 MODELS = {
@@ -226,57 +229,6 @@ async def first_token_ms(base_url: str, model: str, prompt: list[int]) -> float:
     raise RuntimeError(f"{base_url}: the stream ended without a token")
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(steal, all) ticks of the whole machine so far (Linux /proc/stat): steal is time the
-    hypervisor gave this VM's CPUs to others, which slows every figure of a run."""
-    with open("/proc/stat") as stat:
-        ticks = [int(x) for x in stat.readline().split()[1:]]
-    return ticks[7], sum(ticks)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process so far, all its threads (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``."""
-    found, parents = [], {pid}
-    while parents:
-        children = set()
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError):
-                continue
-            if parent in parents:
-                children.add(int(name))
-        found += children
-        parents = children
-    return found
-
-
-class ProcessCPU:
-    """CPU seconds of a server's own process and of all the processes it started."""
-
-    def __init__(self, server_pid: int) -> None:
-        self.server_pid = server_pid
-
-    def sample(self) -> tuple[float, float]:
-        started = 0.0
-        for pid in _descendants(self.server_pid):
-            try:
-                started += _cpu_seconds(pid)
-            except OSError:  # a helper process that ended meanwhile
-                continue
-        return _cpu_seconds(self.server_pid), started
-
-
 async def served(base_url: str, cpu: ProcessCPU, size: dict) -> dict:
     from ember_server.cli.bench.serve import run_level, server_model
 
@@ -368,7 +320,7 @@ def model_path(name: str) -> str:
     return str(tiny_models.tiny_model_path(arch, **config))
 
 
-def compare(vllm_python: str, models: list[str], dtypes: list[str]) -> None:
+def compare(vllm_python: str, models: list[str], dtypes: list[str], offline_only: bool) -> None:
     print(f"{len(os.sched_getaffinity(0))} cores; vLLM interpreter {vllm_python}", flush=True)
     engines = [("ember", "ember", sys.executable, {})]
     engines += [(name, "vllm", vllm_python, env) for name, env in VLLM_VARIANTS.items()]
@@ -377,10 +329,11 @@ def compare(vllm_python: str, models: list[str], dtypes: list[str]) -> None:
         for dtype in dtypes:
             figures = {}
             for label, engine, python, env in engines:
-                steal_before = _cpu_ticks()
+                steal_before = cpu_ticks()
                 figures[label] = run_offline(python, engine, model, dtype, size["prompts"], env)
-                figures[label].update(run_served(python, engine, model, dtype, size, env=env))
-                steal, total = (b - a for a, b in zip(steal_before, _cpu_ticks()))
+                if not offline_only:
+                    figures[label].update(run_served(python, engine, model, dtype, size, env=env))
+                steal, total = (b - a for a, b in zip(steal_before, cpu_ticks()))
                 figures[label]["cpu_steal_pct"] = 100 * steal / max(total, 1)
                 print(f"{name} {dtype} {label}: {json.dumps(figures[label])}", flush=True)
             _print_table(name, dtype, size, figures)
@@ -391,6 +344,8 @@ def _print_table(name: str, dtype: str, size: dict, figures: dict) -> None:
     print(f"\nmodel {name} {MODELS[name]}, {dtype}:")
     print(f"{'':46}" + "".join(f"{label:>15}" for label in labels) + f"{'vs best':>9}")
     for label, key, lower_is_better in rows(size):
+        if any(key not in figures[engine] for engine in labels):
+            continue  # not measured in this run (--offline-only)
         values = [figures[engine][key] for engine in labels]
         peers = values[1:]
         best = min(peers) if lower_is_better else max(peers)
@@ -428,6 +383,9 @@ def main() -> int:
     parser.add_argument(
         "--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"]
     )
+    parser.add_argument(
+        "--offline-only", action="store_true", help="Skip the served figures (a shorter run)."
+    )
     args = parser.parse_args()
     if args.command == "offline":
         figures = offline(args.engine, args.model, args.dtype, args.count)
@@ -441,7 +399,7 @@ def main() -> int:
         return 0
     if not args.vllm_python:
         parser.error("--vllm-python is required (nox -s peer passes it)")
-    compare(args.vllm_python, args.models, args.dtypes)
+    compare(args.vllm_python, args.models, args.dtypes, args.offline_only)
     return 0
 
 
