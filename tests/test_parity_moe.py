@@ -111,21 +111,28 @@ def _rank_model(path, rank: int, expert_parallel: bool):
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_two_ranks_experts_sum_to_the_whole_layer(expert_parallel):
     """Each rank's expert shards (a slice of every expert, or two whole experts) add up, as the
-    all-reduce adds them, to the one-rank layer's experts."""
+    all-reduce (or the all-to-all combine) adds them, to the one-rank layer's experts."""
     path = tiny_model_path("qwen2_moe")
     whole = load_model(path, dtype="float32").model.model.layers[0].mlp
     ranks = [_rank_model(path, r, expert_parallel).model.layers[0].mlp for r in (0, 1)]
-    if expert_parallel:
-        assert [tuple(r.experts.expert_map.tolist()) for r in ranks] == [
-            (0, 1, -1, -1),
-            (-1, -1, 0, 1),
-        ]
-        torch.testing.assert_close(ranks[1].experts.w13_weight, whole.experts.w13_weight[2:])
-    else:
-        assert ranks[0].experts.w2_weight.shape[2] * 2 == whole.experts.w2_weight.shape[2]
     x = torch.randn(9, whole.experts.w13_weight.shape[2])
     weights, ids = moe_ops.select_experts(whole.gate(x), 2)
-    total = sum(r.experts(x, weights, ids) for r in ranks)
+    if expert_parallel:
+        assert [r.experts.local_experts for r in ranks] == [[0, 1], [2, 3]]
+        torch.testing.assert_close(ranks[1].experts.w13_weight, whole.experts.w13_weight[2:])
+        placement = ranks[0].experts.dispatcher.placement
+        total = sum(
+            moe_ops.fused_experts(
+                x, r.experts.w13_weight, r.experts.w2_weight, weights, ids,
+                expert_map=placement.expert_map(rank),
+            )
+            for rank, r in enumerate(ranks)
+        )  # fmt: skip
+        shared = ranks[0].shared_expert.gate_up_proj.weight
+        assert shared.shape == whole.shared_expert.gate_up_proj.weight.shape  # replicated
+    else:
+        assert ranks[0].experts.w2_weight.shape[2] * 2 == whole.experts.w2_weight.shape[2]
+        total = sum(r.experts(x, weights, ids) for r in ranks)
     torch.testing.assert_close(total, whole.experts(x, weights, ids), rtol=1e-5, atol=1e-6)
 
 

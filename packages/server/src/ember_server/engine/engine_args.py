@@ -337,8 +337,8 @@ class EngineArgs:
             "--enable-expert-parallel",
             action="store_true",
             help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
-            "(an equal, contiguous share each; shared experts stay split) instead of splitting "
-            "every expert.",
+            "(a contiguous, balanced share each; shared experts whole on every rank) and send "
+            "tokens to their experts' ranks by all-to-all, instead of splitting every expert.",
         )
         group.add_argument(
             "--distributed-executor-backend",
