@@ -58,10 +58,12 @@ class AllToAllDispatcher:
         """Send each slot of ``topk_ids [tokens, top_k]`` to its expert's rank."""
         size, top_k = self.placement.size, topk_ids.shape[1]
         flat = topk_ids.reshape(-1).long()
-        owners = self._owners.to(flat.device)[flat]
+        if self._owners.device != flat.device:  # moved once, not every layer and step
+            self._owners, self._local = self._owners.to(flat.device), self._local.to(flat.device)
+        owners = self._owners[flat]
         order = torch.argsort(owners, stable=True)
         send_counts_t = torch.bincount(owners, minlength=size)
-        local_ids = self._local.to(flat.device)[flat].index_select(0, order)
+        local_ids = self._local[flat].index_select(0, order)
         rows = hidden.index_select(0, order // top_k)
         if size == 1:
             count = [int(order.numel())]

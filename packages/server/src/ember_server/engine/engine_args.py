@@ -97,6 +97,8 @@ class EngineArgs:
     # Mixture-of-experts layers: whole experts split over the tensor-parallel ranks (vLLM's flag)
     # instead of every expert's intermediate dimension.
     enable_expert_parallel: bool = False
+    # Log the MoE layers' per-expert load (vLLM's EPLB statistics) every this many steps; 0: never.
+    expert_load_log_interval: int = 0
     distributed_executor_backend: str | None = None  # uni, mp or ray; None: uni or mp by ranks
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
     speculative_config: SpeculativeConfig | None = None
@@ -339,6 +341,14 @@ class EngineArgs:
             help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
             "(a contiguous, balanced share each; shared experts whole on every rank) and send "
             "tokens to their experts' ranks by all-to-all, instead of splitting every expert.",
+        )
+        group.add_argument(
+            "--expert-load-log-interval",
+            type=int,
+            default=0,
+            help="Mixture-of-experts models: every this many steps, log the tokens routed to "
+            "each layer's experts since the last log (balancedness and the hottest expert); "
+            "0 never logs.",
         )
         group.add_argument(
             "--distributed-executor-backend",

@@ -122,6 +122,7 @@ def make_worker_config(
         speculative_config=args.speculative_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         lora=args.lora_config,
+        expert_load_log_interval=args.expert_load_log_interval,
         **optional,
     )
 

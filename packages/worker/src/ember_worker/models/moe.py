@@ -169,6 +169,10 @@ class SparseMoeBlock(nn.Module):
                 self.shared_name,
                 DecoderMLP(config, shared_tp, dtype, moe.shared_intermediate_size),
             )
+        # Slots routed to each expert, counted every forward (``ember_worker.expert_load``).
+        self.register_buffer(
+            "expert_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
+        )
         self.shared_expert_gate = (
             nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype).requires_grad_(False)
             if moe.shared_expert_gate
@@ -197,6 +201,7 @@ class SparseMoeBlock(nn.Module):
             correction_bias=self.gate.e_score_correction_bias,
             routed_scaling_factor=moe.routed_scaling_factor,
         )
+        self.expert_load += torch.bincount(ids.reshape(-1), minlength=moe.num_experts)
         out = self.experts(x, weights, ids)
         if reduce:
             out = self.tp.all_reduce(out)
