@@ -152,6 +152,15 @@ class EngineArgs:
                 "EngineArgs.enable_expert_parallel must be a bool, got "
                 f"{self.enable_expert_parallel!r}"
             )
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            # vLLM's meaning, one expert-parallel group over every data-parallel replica's ranks
+            # with the replicas stepping in lock-step, is not built; a group per replica would
+            # silently mean something else.
+            raise ValueError(
+                "EngineArgs.data_parallel_size: data-parallel attention with expert parallelism "
+                f"(data_parallel_size={self.data_parallel_size} with enable_expert_parallel) is "
+                "not supported; use tensor_parallel_size with enable_expert_parallel"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
         if self.speculative_config is not None:
