@@ -87,12 +87,13 @@ def _rank_main(rank, port, queue):
             out = moe.expert_parallel_experts(
                 x[mine], w13[held], w2[held], weights[mine], ids[mine], dispatcher
             )
-            answers.append((out, int(received)))
+            answers.append((out.numpy(), int(received)))
         # Replicated tokens (tensor-parallel attention): each rank its slice, all gathered.
         few = _inputs()[0][:2]  # fewer tokens than ranks: one slice is empty
         part = few[token_slice(2, rank, RANKS)] * (rank + 1)
         gathered = moe.gather_token_slices(part, 2, RANKS, dist.group.WORLD)
-        queue.put((rank, answers, gathered))
+        # numpy arrays travel by value (a shared tensor would die with this process).
+        queue.put((rank, answers, gathered.numpy()))
     finally:
         dist.destroy_process_group()
 
@@ -112,8 +113,10 @@ def rank_answers():
     procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(RANKS)]
     for p in procs:
         p.start()
-    got = {rank: (answers, gathered) for rank, answers, gathered in
-           (queue.get(timeout=180) for _ in procs)}  # fmt: skip
+    got = {
+        rank: ([(torch.from_numpy(out), n) for out, n in answers], torch.from_numpy(gathered))
+        for rank, answers, gathered in (queue.get(timeout=180) for _ in procs)
+    }
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
