@@ -51,9 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(
-    "arch", ["qwen2_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("arch", ["qwen2_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_expert_parallel_layer_equals_the_one_rank_layer(arch):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
