@@ -37,6 +37,7 @@ MIXTRAL_SMALL = dict(
     num_hidden_layers=8,
     num_attention_heads=8,
     num_key_value_heads=2,
+    head_dim=64,
     num_local_experts=8,
     num_experts_per_tok=2,
     vocab_size=8192,
