@@ -90,6 +90,7 @@ def test_defaults_derive_from_model():
         ("tensor_parallel_size", 0),
         ("pipeline_parallel_size", "2"),
         ("enable_expert_parallel", "yes"),
+        ("expert_placement_strategy", "random"),
         ("distributed_executor_backend", "threads"),
         ("prefix_caching_hash_algo", "md5"),
         ("scheduling_policy", "lifo"),

@@ -20,6 +20,7 @@ from ember_server.engine.admission import check_timeout
 from ember_server.engine.lora_args import add_lora_cli_args, make_lora_config
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
+from ember_worker.expert_placement import EXPERT_PLACEMENT_STRATEGIES
 from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -97,6 +98,7 @@ class EngineArgs:
     # Mixture-of-experts layers: whole experts split over the tensor-parallel ranks (vLLM's flag)
     # instead of every expert's intermediate dimension.
     enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"  # which rank holds which experts (vLLM's name)
     # Log the MoE layers' per-expert load (vLLM's EPLB statistics) every this many steps; 0: never.
     expert_load_log_interval: int = 0
     distributed_executor_backend: str | None = None  # uni, mp or ray; None: uni or mp by ranks
@@ -143,6 +145,7 @@ class EngineArgs:
             ("distributed_executor_backend", (None, *EXECUTOR_BACKENDS)),
             ("runner", RUNNERS),
             ("pooling_type", POOLING_TYPES),
+            ("expert_placement_strategy", EXPERT_PLACEMENT_STRATEGIES),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -350,6 +353,13 @@ class EngineArgs:
             help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
             "(a contiguous, balanced share each; shared experts whole on every rank) and send "
             "tokens to their experts' ranks by all-to-all, instead of splitting every expert.",
+        )
+        group.add_argument(
+            "--expert-placement-strategy",
+            choices=EXPERT_PLACEMENT_STRATEGIES,
+            default="linear",
+            help="With --enable-expert-parallel: 'linear' gives each rank a contiguous block of "
+            "experts, 'round_robin' deals expert e to rank e %% ranks.",
         )
         group.add_argument(
             "--expert-load-log-interval",

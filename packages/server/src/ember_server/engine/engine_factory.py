@@ -94,7 +94,10 @@ def make_worker_config(
         else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
     parallel = ParallelConfig(
-        args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.enable_expert_parallel,
+        args.expert_placement_strategy,
     )
     if parallel.world_size > 1:
         # The ranks share this process's cores, each with the same count for every step.

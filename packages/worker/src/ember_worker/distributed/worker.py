@@ -147,6 +147,7 @@ class Worker:
             pack_weights=True,
             quantization=config.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
+            expert_placement_strategy=config.parallel.expert_placement_strategy,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len

@@ -4,8 +4,8 @@ The experts run through ``ember_kernels.moe`` (tokens grouped by expert, one mat
 Under tensor parallelism each rank holds every expert's slice of the intermediate dimension, as
 the dense MLP is split, and the block's output is all-reduced. Under expert parallelism
 (``expert_parallel``) the tensor-parallel ranks form the expert-parallel group: each holds whole
-experts (``ExpertPlacement``'s ``"linear"`` placement: a contiguous block each, the blocks'
-sizes differing by at most one) and the shared experts whole. The attention's output is the same
+experts (``ExpertPlacement``: by default ``"linear"``, a contiguous block each, or
+``"round_robin"``; the shares differ by at most one expert) and the shared experts whole. The attention's output is the same
 on every rank, so each rank takes its slice of the tokens (``token_slice``), routes it, sends
 each token to the ranks holding its experts and gets the results back (all-to-all dispatch and
 combine), adds the shared experts, and the slices are gathered onto every rank.
@@ -26,8 +26,6 @@ from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divid
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.mlp import DecoderMLP
 
-# Which expert-parallel rank holds which experts (``ember_kernels.moe.PLACEMENT_STRATEGIES``).
-EXPERT_PLACEMENT = "linear"
 _EXPERT_WEIGHT = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
@@ -83,16 +81,17 @@ class FusedExperts(nn.Module):
         tp: TensorParallelGroup,
         dtype: torch.dtype,
         expert_parallel: bool = False,
+        placement: str = "linear",
     ) -> None:
         super().__init__()
         self.rank = tp.rank
         self.dispatcher = None
         if expert_parallel:
-            placement = moe_ops.ExpertPlacement(num_experts, tp.size, EXPERT_PLACEMENT)
-            self.local_experts = placement.local_experts(tp.rank)
+            experts = moe_ops.ExpertPlacement(num_experts, tp.size, placement)
+            self.local_experts = experts.local_experts(tp.rank)
             self.inter = intermediate_size
             self.inter_shard = 0  # whole experts: no slice of the intermediate dimension
-            self.dispatcher = moe_ops.AllToAllDispatcher(placement, tp.rank, tp.group)
+            self.dispatcher = moe_ops.AllToAllDispatcher(experts, tp.rank, tp.group)
         else:
             self.local_experts = list(range(num_experts))
             self.inter = divide(intermediate_size, tp.size, "moe intermediate size")
@@ -160,7 +159,13 @@ class SparseMoeBlock(nn.Module):
             config.hidden_size, moe.num_experts, moe.correction_bias, router_dtype
         )
         self.experts = FusedExperts(
-            config.hidden_size, moe.intermediate_size, moe.num_experts, tp, dtype, expert_parallel
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            tp,
+            dtype,
+            expert_parallel,
+            moe.expert_placement,
         )
         self.shared_name = moe.shared_expert_name if moe.shared_intermediate_size else None
         if self.shared_name is not None:  # under its checkpoint name; whole on every EP rank
