@@ -210,6 +210,14 @@ def test_prefill_decode_disaggregation_matches_a_single_instance(arch, tiny_mode
         use_tqdm=False,
     )
     assert prefill.outputs[0].token_ids == expected[:1]
+    # The stored chunks have the layout's shape: MLA's latent once, not as key and value.
+    store = producer.engine_core.executor.kv_transfer_store
+    first_chunk = producer.engine_core.kv_cache_manager.hasher.hash_prefix(token_ids)[
+        CHUNK // BLOCK - 1
+    ]
+    layout = store.fingerprint
+    assert layout.tensors_per_layer == (1 if arch == "deepseek_v2" else 2)
+    assert store.get(first_chunk).shape == layout.chunk_shape()
     consumer = LLM(model, dtype="float32", kv_cache_memory=KV_MEMORY,
                    kv_transfer_config=transfer_config("kv_consumer", shared))  # fmt: skip
     tokens, cached = run(consumer, token_ids)

@@ -101,37 +101,61 @@ def test_sliding_window_moe_checkpoints_are_refused():
         DecoderConfig.from_hf_config(hf_config_from_dict(raw))
 
 
-def _rank_model(path, rank: int, expert_parallel: bool):
+def _rank_model(path, rank: int, expert_parallel: bool, placement: str = "linear"):
     """Rank ``rank`` of 2's shards. Loading copies slices and runs no collective, so the group
     object is never used here (the distributed suite runs the real two-rank groups)."""
     tp = TensorParallelGroup(rank, 2, group=object())
-    return load_model(path, dtype="float32", tp=tp, expert_parallel=expert_parallel).model
+    return load_model(
+        path, dtype="float32", tp=tp, expert_parallel=expert_parallel,
+        expert_placement_strategy=placement,
+    ).model  # fmt: skip
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
-def test_two_ranks_experts_sum_to_the_whole_layer(expert_parallel):
+@pytest.mark.parametrize(
+    ("expert_parallel", "placement"),
+    [(False, "linear"), (True, "linear"), (True, "round_robin")],
+    ids=["tp", "ep", "ep-round-robin"],
+)
+def test_two_ranks_experts_sum_to_the_whole_layer(expert_parallel, placement):
     """Each rank's expert shards (a slice of every expert, or two whole experts) add up, as the
-    all-reduce adds them, to the one-rank layer's experts."""
+    all-reduce (or the all-to-all combine) adds them, to the one-rank layer's experts."""
     path = tiny_model_path("qwen2_moe")
     whole = load_model(path, dtype="float32").model.model.layers[0].mlp
-    ranks = [_rank_model(path, r, expert_parallel).model.layers[0].mlp for r in (0, 1)]
-    if expert_parallel:
-        assert [tuple(r.experts.expert_map.tolist()) for r in ranks] == [
-            (0, 1, -1, -1),
-            (-1, -1, 0, 1),
-        ]
-        torch.testing.assert_close(ranks[1].experts.w13_weight, whole.experts.w13_weight[2:])
-    else:
-        assert ranks[0].experts.w2_weight.shape[2] * 2 == whole.experts.w2_weight.shape[2]
+    ranks = [_rank_model(path, r, expert_parallel, placement).model.layers[0].mlp for r in (0, 1)]
     x = torch.randn(9, whole.experts.w13_weight.shape[2])
     weights, ids = moe_ops.select_experts(whole.gate(x), 2)
-    total = sum(r.experts(x, weights, ids) for r in ranks)
+    if expert_parallel:
+        held = [[0, 1], [2, 3]] if placement == "linear" else [[0, 2], [1, 3]]
+        assert [r.experts.local_experts for r in ranks] == held
+        torch.testing.assert_close(ranks[1].experts.w13_weight, whole.experts.w13_weight[held[1]])
+        placement = ranks[0].experts.dispatcher.placement
+        total = sum(
+            moe_ops.fused_experts(
+                x, r.experts.w13_weight, r.experts.w2_weight, weights, ids,
+                expert_map=placement.expert_map(rank),
+            )
+            for rank, r in enumerate(ranks)
+        )  # fmt: skip
+        shared = ranks[0].shared_expert.gate_up_proj.weight
+        assert shared.shape == whole.shared_expert.gate_up_proj.weight.shape  # replicated
+    else:
+        assert ranks[0].experts.w2_weight.shape[2] * 2 == whole.experts.w2_weight.shape[2]
+        total = sum(r.experts(x, weights, ids) for r in ranks)
     torch.testing.assert_close(total, whole.experts(x, weights, ids), rtol=1e-5, atol=1e-6)
 
 
-def test_expert_parallel_needs_experts():
+def test_expert_parallel_needs_experts_and_a_known_placement():
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         load_model(tiny_model_path("llama"), dtype="float32", expert_parallel=True)
+    with pytest.raises(ValueError, match="expert_placement_strategy"):
+        load_model(
+            tiny_model_path("mixtral"), dtype="float32", expert_parallel=True,
+            expert_placement_strategy="random",
+        )  # fmt: skip
+    # The settings' torch-free list names the kernel's placements.
+    from ember_worker.expert_placement import EXPERT_PLACEMENT_STRATEGIES
+
+    assert EXPERT_PLACEMENT_STRATEGIES == moe_ops.PLACEMENT_STRATEGIES
 
 
 @pytest.mark.parametrize("arch", _suite(("deepseek_v2",)))

@@ -1,6 +1,7 @@
 """Mixture-of-experts models over two ranks against transformers: tensor parallel (every expert's
 intermediate dimension split), expert parallel (``enable_expert_parallel``: half the experts,
-whole, per rank) and two pipeline stages, worker processes and Ray actors.
+whole, per rank, contiguous or dealt round-robin; tokens dispatched by all-to-all) and two
+pipeline stages, worker processes and Ray actors.
 
 Greedy tokens equal transformers' with whole prompts, under preemption (asserted), with chunked
 prefill and over a warm prefix cache (hits asserted); logprobs within 1e-4. The default suite runs
@@ -35,6 +36,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = {
     "tp2": (ParallelConfig(tensor_parallel_size=2), "mp"),
     "tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "mp"),
+    "tp2-ep-round-robin": (
+        ParallelConfig(
+            tensor_parallel_size=2,
+            enable_expert_parallel=True,
+            expert_placement_strategy="round_robin",
+        ),
+        "mp",
+    ),
     "ray-tp2-ep": (ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), "ray"),
     "pp2": (ParallelConfig(pipeline_parallel_size=2), "mp"),
 }

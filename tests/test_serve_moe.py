@@ -1,7 +1,8 @@
 """``ember serve`` on mixture-of-experts checkpoints through the OpenAI client: DeepSeek-V2
 (latent attention, grouped routing) over two ranks with ``--enable-expert-parallel``, and Mixtral
 on one (slow session). Completions (with logprobs), chat and streamed chat answer as the offline
-API does, whose tokens the parity suites hold to transformers'."""
+API does, whose tokens the parity suites hold to transformers'. The expert-parallel server logs
+the experts' load (``--expert-load-log-interval``) from its worker ranks."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ FLAGS = [
 ]
 PROMPTS = ["def parse(self, text):", "import os\nimport sys\n"]
 CASES = {
-    "deepseek_v2-tp2-ep": ("deepseek_v2", ["-tp", "2", "--enable-expert-parallel"]),
+    "deepseek_v2-tp2-ep": (
+        "deepseek_v2",
+        ["-tp", "2", "--enable-expert-parallel", "--expert-load-log-interval", "4"],
+    ),
     "mixtral": ("mixtral", []),
 }
 
@@ -41,7 +45,7 @@ def served(request, tmp_path_factory):
     path = str(tiny_model_path(arch))
     with ServeProcess([path, *FLAGS, *flags], tmp_path_factory.mktemp("serve")) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        yield path, client
+        yield path, client, server
 
 
 def offline(path: str, prompts: list[str], max_tokens: int) -> list[str]:
@@ -54,7 +58,7 @@ def offline(path: str, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def test_completions_and_chat_match_the_offline_api(served):
-    path, client = served
+    path, client, server = served
     [model] = [m.id for m in client.models.list().data]
     completions = [
         client.completions.create(
@@ -74,3 +78,12 @@ def test_completions_and_chat_match_the_offline_api(served):
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert chat.choices[0].message.content == streamed
     assert chat.usage.completion_tokens == 10
+    if "--expert-load-log-interval" in CASES[arch_case(path)][1]:
+        # Every 4 steps rank 0 logs the load summed over both ranks (each routed only its slice).
+        lines = [x for x in server.log.read_text().splitlines() if "expert load over 4 steps" in x]
+        assert lines and all("balancedness" in x for x in lines), server.log.read_text()[-3000:]
+
+
+def arch_case(path: str) -> str:
+    """The CASES key whose model ``path`` is."""
+    return next(k for k, (arch, _) in CASES.items() if str(tiny_model_path(arch)) == path)

@@ -54,6 +54,20 @@ def test_fingerprint_separates_layouts_and_validates():
         LayoutFingerprint("m", "float32", 16, 0, 2, 8)
 
 
+def test_fingerprint_describes_the_per_layer_shape_of_kv_and_latent_layouts():
+    assert FP.layer_shape == (2, 16, 2, 8)  # key and value per block
+    assert FP.chunk_shape() == (2, 2, 32, 2, 8) and FP.chunk_shape(16) == (2, 2, 16, 2, 8)
+    # Multi-head latent attention: one latent "head" per token (kv_lora_rank + rope dims).
+    latent = LayoutFingerprint("tiny-ds", "float32", 16, 3, 1, 48, chunk_size=32,
+                               tensors_per_layer=1)  # fmt: skip
+    assert latent.layer_shape == (1, 16, 1, 48)
+    assert latent.chunk_shape() == (3, 1, 32, 1, 48)
+    same_but_two = LayoutFingerprint("tiny-ds", "float32", 16, 3, 1, 48, chunk_size=32)
+    assert latent.digest != same_but_two.digest  # chunks of one layout never load as the other
+    with pytest.raises(ValueError, match="tensors_per_layer"):
+        LayoutFingerprint("m", "float32", 16, 2, 2, 8, tensors_per_layer=3)
+
+
 def test_entry_round_trips_arrays_and_bytes():
     key, array = chunk(1)
     np.testing.assert_array_equal(decode_entry(encode_entry(FP, key, array), FP, key), array)

@@ -90,6 +90,7 @@ def test_defaults_derive_from_model():
         ("tensor_parallel_size", 0),
         ("pipeline_parallel_size", "2"),
         ("enable_expert_parallel", "yes"),
+        ("expert_placement_strategy", "random"),
         ("distributed_executor_backend", "threads"),
         ("prefix_caching_hash_algo", "md5"),
         ("scheduling_policy", "lifo"),
@@ -167,3 +168,10 @@ def test_one_settings_object_per_side_both_sides_get_the_shared_settings(tiny_mo
             EngineArgs(model=args.model, dtype="float32", gpu_memory_utilization=1.5), model_config, None,
             served=False,
         )  # fmt: skip
+
+
+def test_data_parallel_attention_with_expert_parallel_is_refused():
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(model="/m", data_parallel_size=2, enable_expert_parallel=True)
+    EngineArgs(model="/m", data_parallel_size=2)  # each alone is fine
+    EngineArgs(model="/m", tensor_parallel_size=2, enable_expert_parallel=True)

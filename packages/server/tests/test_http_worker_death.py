@@ -1,4 +1,5 @@
-"""A tensor-parallel server whose worker process dies: requests end with 503, no process stays."""
+"""A tensor-parallel server whose worker process dies: requests end with 503, no process stays.
+The same under expert parallelism, where the surviving rank waits in an all-to-all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 
 import httpx
+import pytest
 from server_thread import ServerThread
 
 from ember_server.engine.engine_args import EngineArgs
@@ -36,15 +38,19 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_worker_fails_requests_and_leaves_no_process(tiny_model):
+@pytest.mark.parametrize(
+    ("arch", "expert_parallel"), [("llama", False), ("mixtral", True)], ids=["tp", "tp-ep"]
+)
+def test_killed_worker_fails_requests_and_leaves_no_process(tiny_model, arch, expert_parallel):
     args = EngineArgs(
-        model=str(tiny_model("llama")),
+        model=str(tiny_model(arch)),
         dtype="float32",
         max_model_len=1024,
         max_num_seqs=8,
         kv_cache_memory=2**21,
         num_threads=1,
         tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
         max_engine_restarts=0,  # fail-stop: requests fail, nothing restarts
     )
     with ServerThread(args) as server:

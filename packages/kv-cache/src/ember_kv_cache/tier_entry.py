@@ -48,6 +48,11 @@ class LayoutFingerprint:
     in tokens and ``hash_algo`` is the chain hash's algorithm, since both decide what a key means.
     A shard holds ``num_layers`` layers from ``first_layer`` on (a pipeline stage after the
     first starts past 0) and the KV heads of tensor-parallel rank ``tp_rank``.
+
+    Each layer keeps ``tensors_per_layer`` tensors of ``layer_shape`` per block: 2 for a key and
+    a value (``[block_size, num_kv_heads, head_size]`` each), 1 for a cache read as both, such
+    as multi-head latent attention's one latent "head" of ``kv_lora_rank + qk_rope_head_dim``
+    values per token. A stored chunk is an array of ``chunk_shape``.
     """
 
     model: str
@@ -60,6 +65,7 @@ class LayoutFingerprint:
     chunk_size: int = 256
     hash_algo: str = DEFAULT_HASH_ALGO
     first_layer: int = 0
+    tensors_per_layer: int = 2
     # Set from the fields above: two fingerprints match iff their digests do.
     digest: str = field(default="", init=False, repr=False)
 
@@ -81,11 +87,31 @@ class LayoutFingerprint:
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
                 f"({self.block_size})"
             )
+        if self.tensors_per_layer not in (1, 2):
+            raise ValueError(
+                f"LayoutFingerprint.tensors_per_layer must be 1 or 2, got {self.tensors_per_layer!r}"
+            )
         fields = {k: v for k, v in asdict(self).items() if k != "digest"}
+        # Fields at their first default are left out: the digests written before they existed
+        # stay what they were.
         if not self.first_layer:
-            del fields["first_layer"]  # the digests of unsplit layouts stay what they were
+            del fields["first_layer"]
+        if self.tensors_per_layer == 2:
+            del fields["tensors_per_layer"]
         canonical = json.dumps(fields, sort_keys=True).encode()
         object.__setattr__(self, "digest", hashlib.blake2b(canonical, digest_size=16).hexdigest())
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        """One layer's cache per block: ``(tensors_per_layer, block_size, num_kv_heads,
+        head_size)``."""
+        return (self.tensors_per_layer, self.block_size, self.num_kv_heads, self.head_size)
+
+    def chunk_shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int, int]:
+        """A stored chunk of ``num_tokens`` (default: ``chunk_size``) tokens: ``(num_layers,
+        tensors_per_layer, num_tokens, num_kv_heads, head_size)``."""
+        tokens = self.chunk_size if num_tokens is None else num_tokens
+        return (self.num_layers, self.tensors_per_layer, tokens, self.num_kv_heads, self.head_size)
 
     def tier_key(self, chunk_hash: bytes) -> str:
         """The name under which a chunk is stored in every tier."""

@@ -8,8 +8,9 @@ by layer on a copy thread); inside the forward, each attention layer calls
 after it wrote its keys and values (the layer's completed chunks are copied out on a save
 thread while the next layers compute); ``wait_for_save`` after the forward (puts them into the
 store, so the blocks may be reused next step); ``get_finished`` (the fetches that ended) and
-``clear_connector_metadata``. A chunk is an array ``[layers, 2 (key, value), chunk_size,
-num_kv_heads, head_size]`` in the cache dtype (bfloat16 travels as int16 bits).
+``clear_connector_metadata``. A chunk is an array ``[layers, tensors_per_layer, chunk_size,
+num_kv_heads, head_size]`` (``LayoutFingerprint.chunk_shape``: key and value, or MLA's latent
+once) in the cache dtype (bfloat16 travels as int16 bits).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def layout_fingerprint(
         chunk_size=config.chunk_size,
         hash_algo=hash_algo,
         first_layer=first_layer,
+        tensors_per_layer=spec.tensors_per_layer,
     )
 
 
@@ -93,6 +95,8 @@ class TieredConnectorWorker:
         self.spec = spec
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // spec.block_size
+        # 2: key and value; 1: one cache read as both (MLA's latent), stored once.
+        self.parts = spec.tensors_per_layer
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._metadata = KVConnectorMetadata()
         self._fetcher = futures.ThreadPoolExecutor(1, thread_name_prefix="ember-kv-fetch")
@@ -103,7 +107,8 @@ class TieredConnectorWorker:
         # This step's writes, one future per layer (empty when nothing is written).
         self._layer_writes: list[futures.Future] = []
         self._layer_saves: list[futures.Future] = []
-        # Per save transfer: a host buffer [chunks, layers, 2, blocks_per_chunk, block, heads, size].
+        # Per save transfer: a host buffer [chunks, layers, parts, blocks_per_chunk, block, heads,
+        # size].
         self._save_buffers: list[torch.Tensor] = []
 
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -156,7 +161,7 @@ class TieredConnectorWorker:
         for copy in self._layer_saves:
             copy.result()
         for transfer, buffer in zip(self._metadata.saves, self._save_buffers):
-            chunks = buffer.flatten(3, 4)  # [chunks, layers, 2, tokens, heads, head_size]
+            chunks = buffer.flatten(3, 4)  # [chunks, layers, parts, tokens, heads, head_size]
             for chunk_hash, chunk in zip(transfer.chunk_hashes, chunks):
                 self.store.put(chunk_hash, _as_numpy(chunk))
 
@@ -206,7 +211,7 @@ class TieredConnectorWorker:
     def _new_buffer(self, num_chunks: int, blocks_per_chunk: int) -> torch.Tensor:
         spec = self.spec
         return torch.empty(
-            num_chunks, spec.num_layers, 2, blocks_per_chunk, spec.block_size,
+            num_chunks, spec.num_layers, self.parts, blocks_per_chunk, spec.block_size,
             spec.num_kv_heads, spec.head_size, dtype=spec.dtype,
         )  # fmt: skip
 
@@ -223,7 +228,8 @@ class TieredConnectorWorker:
             blocks = self._chunk_block_ids(transfer, key_cache.device)
             shape = buffer.shape[3:]
             buffer[:, layer, 0] = key_cache.index_select(0, blocks).view(-1, *shape).cpu()
-            buffer[:, layer, 1] = value_cache.index_select(0, blocks).view(-1, *shape).cpu()
+            if self.parts == 2:
+                buffer[:, layer, 1] = value_cache.index_select(0, blocks).view(-1, *shape).cpu()
 
     def _fetch(self, transfer: ChunkTransfer) -> tuple[int, list[_FetchedChunk]]:
         """Read and check the transfer's chunks, in order, up to the first that is missing or
@@ -262,7 +268,7 @@ class TieredConnectorWorker:
             return False
         tokens = chunk.shape[2]
         layout = (chunk.shape[:2], chunk.shape[3:]) == (
-            (spec.num_layers, 2),
+            (spec.num_layers, self.parts),
             (spec.num_kv_heads, spec.head_size),
         )
         if not partial:
@@ -283,7 +289,7 @@ class TieredConnectorWorker:
         if spec.dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
         blocks = tensor.view(
-            spec.num_layers, 2, -1, spec.block_size, spec.num_kv_heads, spec.head_size
+            spec.num_layers, self.parts, -1, spec.block_size, spec.num_kv_heads, spec.head_size
         )[:, :, skip_blocks : skip_blocks + len(block_ids)]
         device = self.kv_caches[0][0].device
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
@@ -294,14 +300,16 @@ class TieredConnectorWorker:
         key_cache, value_cache = self.kv_caches[layer]
         for chunk in chunks:
             key_cache.index_copy_(0, chunk.block_ids, chunk.blocks[layer, 0].to(key_cache.device))
-            value_cache.index_copy_(
-                0, chunk.block_ids, chunk.blocks[layer, 1].to(value_cache.device)
-            )
+            if self.parts == 2:  # else the value cache is the key cache, written just now
+                value_cache.index_copy_(
+                    0, chunk.block_ids, chunk.blocks[layer, 1].to(value_cache.device)
+                )
 
 
 class _FetchedChunk(NamedTuple):
     """A chunk read from the store, waiting to be written into ``block_ids`` (a device index
-    tensor); ``blocks`` is ``[layers, 2, blocks, block_size, heads, head_size]`` on the host."""
+    tensor); ``blocks`` is ``[layers, parts, blocks, block_size, heads, head_size]`` on the
+    host."""
 
     block_ids: torch.Tensor
     blocks: torch.Tensor

@@ -127,6 +127,7 @@ def load_model(
     pack_weights: bool = False,
     quantization: str | None = None,
     expert_parallel: bool = False,
+    expert_placement_strategy: str = "linear",
 ) -> LoadedModel:
     """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
 
@@ -138,13 +139,16 @@ def load_model(
     before packing; packing leaves int8 weights as they are. A compressed-tensors W8A8
     checkpoint loads its int8 weights and scales as they are (``quantization`` None or
     ``"compressed-tensors"``). ``expert_parallel`` places whole experts of a mixture-of-experts
-    model on the ``tp`` ranks (``MoeConfig.expert_parallel``)."""
+    model on the ``tp`` ranks (``MoeConfig.expert_parallel``), placed by
+    ``expert_placement_strategy``."""
     check_quantization(quantization)
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
     checkpoint = compressed_tensors.checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, checkpoint)
-    config = with_expert_parallel(DecoderConfig.from_hf_config(hf_config), expert_parallel)
+    config = with_expert_parallel(
+        DecoderConfig.from_hf_config(hf_config), expert_parallel, expert_placement_strategy
+    )
     torch_dtype, why = choose_dtype(dtype, hf_config, device)
     logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM

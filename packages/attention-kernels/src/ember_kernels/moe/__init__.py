@@ -4,18 +4,38 @@
 runs the experts over their tokens and combines the results; ``fused_moe`` does both. CUDA
 tensors run the Triton kernel (``ember_kernels.triton_ops.fused_moe``), other tensors the torch
 path (``ember_kernels.moe.torch_experts``), which also takes per-expert weights packed for oneDNN.
+Expert parallelism: ``ExpertPlacement`` says which rank holds which expert, and
+``AllToAllDispatcher`` (``expert_parallel_experts``) sends tokens to their experts' ranks and the
+results back over ``torch.distributed`` all-to-all.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ember_kernels.moe.all_to_all import (
+    AllToAllDispatcher,
+    expert_parallel_experts,
+    gather_token_slices,
+    token_slice,
+)
 from ember_kernels.moe.grouping import check_expert_args
+from ember_kernels.moe.placement import PLACEMENT_STRATEGIES, ExpertPlacement
 from ember_kernels.moe.routing import select_experts
 from ember_kernels.moe.torch_experts import ExpertWeights
 from ember_kernels.moe.torch_experts import fused_experts as _torch_fused_experts
 
-__all__ = ["fused_experts", "fused_moe", "select_experts"]
+__all__ = [
+    "PLACEMENT_STRATEGIES",
+    "AllToAllDispatcher",
+    "ExpertPlacement",
+    "expert_parallel_experts",
+    "fused_experts",
+    "fused_moe",
+    "gather_token_slices",
+    "select_experts",
+    "token_slice",
+]
 
 
 def fused_experts(

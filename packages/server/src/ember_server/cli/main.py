@@ -27,6 +27,7 @@ from ember_server.engine.engine_args import EngineArgs, parse_bytes
 from ember_server.engine.lora_args import add_lora_modules_arg
 from ember_server.openai.reasoning import REASONING_PARSERS
 from ember_server.openai.tool_calls import TOOL_CALL_PARSERS
+from ember_worker.logs import configure_logging
 
 logger = logging.getLogger("ember")
 
@@ -338,11 +339,7 @@ def _exit_status(exc: BaseException) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)  # engine cores and worker ranks inherit the level
     try:
         if args.needs_model:
             resolve_model(args)

@@ -29,6 +29,7 @@ from ember_scheduler.engine_types import (
 from ember_server.engine import core_messages as msg
 from ember_server.engine.core_sharing import CoreSharing, OtherProcessesCPU
 from ember_server.engine.engine_args import EngineArgs
+from ember_worker.logs import configure_started_process_logging
 
 _IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     # decides when we stop (after draining its requests), and we stop when it is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_started_process_logging()
     args = msgspec.json.decode(options.engine_args.encode(), type=EngineArgs)
     return run_engine_core(args, options.input_address, options.output_address, options.parent_pid)
 

@@ -20,6 +20,7 @@ from ember_server.engine.admission import check_timeout
 from ember_server.engine.lora_args import add_lora_cli_args, make_lora_config
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.executor_factory import EXECUTOR_BACKENDS
+from ember_worker.expert_placement import EXPERT_PLACEMENT_STRATEGIES
 from ember_worker.quantization import QUANTIZATION_METHODS, check_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -98,6 +99,9 @@ class EngineArgs:
     # Mixture-of-experts layers: whole experts split over the tensor-parallel ranks (vLLM's flag)
     # instead of every expert's intermediate dimension.
     enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"  # which rank holds which experts (vLLM's name)
+    # Log the MoE layers' per-expert load (vLLM's EPLB statistics) every this many steps; 0: never.
+    expert_load_log_interval: int = 0
     distributed_executor_backend: str | None = None  # uni, mp or ray; None: uni or mp by ranks
     # vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) is converted
     speculative_config: SpeculativeConfig | None = None
@@ -142,6 +146,7 @@ class EngineArgs:
             ("distributed_executor_backend", (None, *EXECUTOR_BACKENDS)),
             ("runner", RUNNERS),
             ("pooling_type", POOLING_TYPES),
+            ("expert_placement_strategy", EXPERT_PLACEMENT_STRATEGIES),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -150,6 +155,15 @@ class EngineArgs:
             raise ValueError(
                 "EngineArgs.enable_expert_parallel must be a bool, got "
                 f"{self.enable_expert_parallel!r}"
+            )
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            # vLLM's meaning, one expert-parallel group over every data-parallel replica's ranks
+            # with the replicas stepping in lock-step, is not built; a group per replica would
+            # silently mean something else.
+            raise ValueError(
+                "EngineArgs.data_parallel_size: data-parallel attention with expert parallelism "
+                f"(data_parallel_size={self.data_parallel_size} with enable_expert_parallel) is "
+                "not supported; use tensor_parallel_size with enable_expert_parallel"
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
@@ -338,8 +352,23 @@ class EngineArgs:
             "--enable-expert-parallel",
             action="store_true",
             help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
-            "(an equal, contiguous share each; shared experts stay split) instead of splitting "
-            "every expert.",
+            "(a contiguous, balanced share each; shared experts whole on every rank) and send "
+            "tokens to their experts' ranks by all-to-all, instead of splitting every expert.",
+        )
+        group.add_argument(
+            "--expert-placement-strategy",
+            choices=EXPERT_PLACEMENT_STRATEGIES,
+            default="linear",
+            help="With --enable-expert-parallel: 'linear' gives each rank a contiguous block of "
+            "experts, 'round_robin' deals expert e to rank e %% ranks.",
+        )
+        group.add_argument(
+            "--expert-load-log-interval",
+            type=int,
+            default=0,
+            help="Mixture-of-experts models: every this many steps, log the tokens routed to "
+            "each layer's experts since the last log (balancedness and the hottest expert); "
+            "0 never logs.",
         )
         group.add_argument(
             "--distributed-executor-backend",

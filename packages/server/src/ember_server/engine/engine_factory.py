@@ -94,7 +94,10 @@ def make_worker_config(
         else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
     parallel = ParallelConfig(
-        args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
+        args.tensor_parallel_size,
+        args.pipeline_parallel_size,
+        args.enable_expert_parallel,
+        args.expert_placement_strategy,
     )
     if parallel.world_size > 1:
         # The ranks share this process's cores, each with the same count for every step.
@@ -122,6 +125,7 @@ def make_worker_config(
         speculative_config=args.speculative_config,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         lora=args.lora_config,
+        expert_load_log_interval=args.expert_load_log_interval,
         **optional,
     )
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ember_scheduler.config import check_int
+from ember_worker.expert_placement import check_expert_placement
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 
 
@@ -28,6 +29,8 @@ class ParallelConfig(msgspec.Struct, frozen=True):
     pipeline_parallel_size: int = 1
     # Mixture-of-experts layers: whole experts per tensor-parallel rank (``models.moe``).
     enable_expert_parallel: bool = False
+    # Which rank holds which experts: "linear" (contiguous blocks) or "round_robin" (vLLM's).
+    expert_placement_strategy: str = "linear"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -36,6 +39,7 @@ class ParallelConfig(msgspec.Struct, frozen=True):
             raise ValueError(
                 f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}"
             )
+        check_expert_placement(self.expert_placement_strategy)
 
     @property
     def world_size(self) -> int:

@@ -28,6 +28,7 @@ from ember_scheduler.structured_outputs import StructuredOutputsParams
 from ember_worker.distributed.grammar_proxy import compile_report
 from ember_worker.distributed.groups import init_rank_groups
 from ember_worker.distributed.worker import Worker, WorkerConfig, backend_for, rank_device
+from ember_worker.logs import configure_started_process_logging
 
 # Broadcast kinds (executor -> every rank): [kind, payload].
 STEP, KV_BLOCKS, COMPILE, STOP = b"step", b"kv", b"grammar", b"stop"
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group; the executor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_started_process_logging()
     config = msgspec.json.decode(options.config.encode(), type=WorkerProcConfig)
     return run_worker(config)
 

@@ -33,6 +33,7 @@ from ember_scheduler.lora import LoRAConfig
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
+from ember_worker.expert_load import ExpertLoadStats, check_log_interval
 from ember_worker.hf_config import load_hf_config, resolve_model_path
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
@@ -76,6 +77,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     speculative_config: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # set: requests may run with LoRA adapters
+    # Log the MoE layers' per-expert load every this many steps (``ExpertLoadStats``); 0: never.
+    expert_load_log_interval: int = 0
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization, "WorkerConfig.quantization")
@@ -95,6 +98,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
             StepThreads(self.num_threads, self.small_num_threads, self.large_step_min_tokens)
         if self.kv_transfer is not None:
             KVTransferConfig.from_dict(self.kv_transfer)
+        check_log_interval(self.expert_load_log_interval)
 
     def step_threads(self) -> StepThreads | None:
         """A fresh ``StepThreads`` of these counts (None when ``num_threads`` is None)."""
@@ -143,6 +147,7 @@ class Worker:
             pack_weights=True,
             quantization=config.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
+            expert_placement_strategy=config.parallel.expert_placement_strategy,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len
@@ -172,6 +177,9 @@ class Worker:
             lora_config=config.lora,
         )
         self.kv_transfer_store: TieredKVStore | None = None
+        self.expert_load = ExpertLoadStats(
+            self.loaded.model, groups.tp, config.expert_load_log_interval
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -218,7 +226,9 @@ class Worker:
         return fields
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        self.expert_load.step()
+        return output
 
     def shutdown(self) -> None:
         """Stop the KV connector's transfers (the tier store's files and connections) and the

@@ -3,9 +3,12 @@
 The experts run through ``ember_kernels.moe`` (tokens grouped by expert, one matmul per expert).
 Under tensor parallelism each rank holds every expert's slice of the intermediate dimension, as
 the dense MLP is split, and the block's output is all-reduced. Under expert parallelism
-(``expert_parallel``) each rank holds whole experts, a contiguous, equal share of them, and the
-ranks' partial sums are all-reduced the same way (every rank sees every token, so no dispatch is
-needed before the experts); shared experts stay tensor-parallel.
+(``expert_parallel``) the tensor-parallel ranks form the expert-parallel group: each holds whole
+experts (``ExpertPlacement``: by default ``"linear"``, a contiguous block each, or
+``"round_robin"``; the shares differ by at most one expert) and the shared experts whole. The attention's output is the same
+on every rank, so each rank takes its slice of the tokens (``token_slice``), routes it, sends
+each token to the ranks holding its experts and gets the results back (all-to-all dispatch and
+combine), adds the shared experts, and the slices are gathered onto every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import nn
 from ember_kernels import moe as moe_ops
 from ember_kernels.packed_linear import can_pack_linear_weight, pack_linear_weight
 from ember_worker.layers.linear import MIN_PACKED_ELEMENTS, _copy_checked
-from ember_worker.layers.parallel import TensorParallelGroup, divide
+from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.mlp import DecoderMLP
 
@@ -78,24 +81,23 @@ class FusedExperts(nn.Module):
         tp: TensorParallelGroup,
         dtype: torch.dtype,
         expert_parallel: bool = False,
+        placement: str = "linear",
     ) -> None:
         super().__init__()
         self.rank = tp.rank
+        self.dispatcher = None
         if expert_parallel:
-            self.num_local = divide(num_experts, tp.size, "number of experts")
-            self.first_expert = tp.rank * self.num_local
+            experts = moe_ops.ExpertPlacement(num_experts, tp.size, placement)
+            self.local_experts = experts.local_experts(tp.rank)
             self.inter = intermediate_size
             self.inter_shard = 0  # whole experts: no slice of the intermediate dimension
-            local = torch.full((num_experts,), -1, dtype=torch.long)
-            local[self.first_expert : self.first_expert + self.num_local] = torch.arange(
-                self.num_local
-            )
-            self.register_buffer("expert_map", local, persistent=False)
+            self.dispatcher = moe_ops.AllToAllDispatcher(experts, tp.rank, tp.group)
         else:
-            self.num_local, self.first_expert = num_experts, 0
+            self.local_experts = list(range(num_experts))
             self.inter = divide(intermediate_size, tp.size, "moe intermediate size")
             self.inter_shard = tp.rank
-            self.expert_map = None
+        self.num_local = len(self.local_experts)
+        self._local_index = {e: i for i, e in enumerate(self.local_experts)}
         self.w13_weight = nn.Parameter(
             torch.empty(self.num_local, 2 * self.inter, hidden_size, dtype=dtype),
             requires_grad=False,
@@ -106,20 +108,23 @@ class FusedExperts(nn.Module):
         self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the weighted expert sum (to be all-reduced)."""
+        """The weighted expert sum of the tokens ``x``: under expert parallelism the whole sum
+        (this rank's tokens dispatched to every rank's experts and combined), else this rank's
+        part of it (to be all-reduced)."""
         w13, w2 = self._packed or (self.w13_weight, self.w2_weight)
-        return moe_ops.fused_experts(x, w13, w2, weights, ids, expert_map=self.expert_map)
+        if self.dispatcher is not None:
+            return moe_ops.expert_parallel_experts(x, w13, w2, weights, ids, self.dispatcher)
+        return moe_ops.fused_experts(x, w13, w2, weights, ids)
 
     def checkpoint_shards(self, param_name: str) -> list[tuple[int, str]]:
         """The (expert, part) checkpoint tensors that fill ``param_name`` on this rank."""
         parts = ("gate", "up") if param_name == "w13_weight" else ("down",)
-        experts = range(self.first_expert, self.first_expert + self.num_local)
-        return [(e, p) for e in experts for p in parts]
+        return [(e, p) for e in self.local_experts for p in parts]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple) -> None:
         expert, part = shard
-        local = expert - self.first_expert
-        if not 0 <= local < self.num_local:
+        local = self._local_index.get(expert)
+        if local is None:
             return  # another rank's expert
         size, start = self.inter, self.inter_shard * self.inter
         if part == "down":
@@ -154,13 +159,25 @@ class SparseMoeBlock(nn.Module):
             config.hidden_size, moe.num_experts, moe.correction_bias, router_dtype
         )
         self.experts = FusedExperts(
-            config.hidden_size, moe.intermediate_size, moe.num_experts, tp, dtype, expert_parallel
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            tp,
+            dtype,
+            expert_parallel,
+            moe.expert_placement,
         )
         self.shared_name = moe.shared_expert_name if moe.shared_intermediate_size else None
-        if self.shared_name is not None:  # under its checkpoint name
+        if self.shared_name is not None:  # under its checkpoint name; whole on every EP rank
+            shared_tp = SINGLE_RANK if expert_parallel else tp
             self.add_module(
-                self.shared_name, DecoderMLP(config, tp, dtype, moe.shared_intermediate_size)
+                self.shared_name,
+                DecoderMLP(config, shared_tp, dtype, moe.shared_intermediate_size),
             )
+        # Slots routed to each expert, counted every forward (``ember_worker.expert_load``).
+        self.register_buffer(
+            "expert_load", torch.zeros(moe.num_experts, dtype=torch.long), persistent=False
+        )
         self.shared_expert_gate = (
             nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype).requires_grad_(False)
             if moe.shared_expert_gate
@@ -168,6 +185,16 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.moe.expert_parallel:
+            return self._tokens_forward(x, reduce=True)
+        # Expert parallel: every rank holds the same tokens; each runs its slice, then all gather.
+        tp, num_tokens = self.tp, x.shape[0]
+        part = self._tokens_forward(x[moe_ops.token_slice(num_tokens, tp.rank, tp.size)])
+        return moe_ops.gather_token_slices(part, num_tokens, tp.size, tp.group)
+
+    def _tokens_forward(self, x: torch.Tensor, reduce: bool = False) -> torch.Tensor:
+        """Routed plus shared experts of the tokens ``x``; ``reduce``: the routed experts' output
+        is this rank's part, summed over the tensor-parallel group."""
         moe = self.moe
         weights, ids = moe_ops.select_experts(
             self.gate(x),
@@ -179,7 +206,10 @@ class SparseMoeBlock(nn.Module):
             correction_bias=self.gate.e_score_correction_bias,
             routed_scaling_factor=moe.routed_scaling_factor,
         )
-        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        self.expert_load += torch.bincount(ids.reshape(-1), minlength=moe.num_experts)
+        out = self.experts(x, weights, ids)
+        if reduce:
+            out = self.tp.all_reduce(out)
         if self.shared_name is None:
             return out
         shared = getattr(self, self.shared_name)(x)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ember_worker.expert_placement import check_expert_placement
+
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -40,6 +42,9 @@ class MoeConfig:
     # Placement, the engine's choice: whole experts per tensor-parallel rank (expert parallelism)
     # rather than a slice of every expert.
     expert_parallel: bool = False
+    # Which rank holds which experts under expert parallelism
+    # (``ember_worker.expert_placement``).
+    expert_placement: str = "linear"
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, architecture: str) -> MoeConfig | None:
@@ -113,13 +118,16 @@ def _refuse_sliding_window(hf_config: Any, architecture: str) -> None:
         )
 
 
-def with_expert_parallel(config: Any, expert_parallel: bool) -> Any:
-    """``config`` (a ``DecoderConfig``) with its experts placed by expert parallelism;
-    ValueError for a model without experts."""
+def with_expert_parallel(config: Any, expert_parallel: bool, placement: str = "linear") -> Any:
+    """``config`` (a ``DecoderConfig``) with its experts placed by expert parallelism, by
+    ``placement``; ValueError for a model without experts or an unknown placement."""
+    check_expert_placement(placement)
     if not expert_parallel:
         return config
     if config.moe is None:
         raise ValueError(
             f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers"
         )
-    return replace(config, moe=replace(config.moe, expert_parallel=True))
+    return replace(
+        config, moe=replace(config.moe, expert_parallel=True, expert_placement=placement)
+    )
