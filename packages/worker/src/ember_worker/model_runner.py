@@ -24,9 +24,10 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.kv_connector import TieredConnectorWorker
-from ember_worker.kv_specs import kv_cache_groups, layer_caches
+from ember_worker.kv_specs import kv_cache_groups, layer_caches, state_groups
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.lora.manager import LoRAManager
+from ember_worker.mamba_state import MambaStateSpec, allocate_mamba_state, bind_mamba_state
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
@@ -87,6 +88,7 @@ class ModelRunner:
             vocab_size=loaded.config.vocab_size,
             device=device,
             num_kv_groups=len(self.kv_groups),
+            num_state_blocks=len(state_groups(loaded.config)),
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
@@ -109,6 +111,13 @@ class ModelRunner:
                 "layers keep different KV (sliding-window and global layers)"
             )
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
+        # A Mamba hybrid's mixers keep their state in slots indexed by block id.
+        self.mamba_state_spec = MambaStateSpec.for_model(self.model)
+        if self.mamba_state_spec is not None and speculative_config is not None:
+            raise ValueError(
+                "speculative_config: speculative decoding is not supported for a Mamba hybrid "
+                "(its state cannot roll back rejected drafts)"
+            )
         if len(self.kv_groups) > 1:  # layer j of every group shares cache tensor j
             largest = max(len(group.layer_ids) for group in self.kv_groups)
             self.kv_cache_spec = dataclasses.replace(self.kv_cache_spec, num_layers=largest)
@@ -125,6 +134,9 @@ class ModelRunner:
         """Blocks that ``memory_bytes`` hold, for the target's KV and a draft model's together
         (they share block ids)."""
         spec = self.kv_cache_spec
+        if self.mamba_state_spec is not None:  # every block id is also a state slot
+            per_block = spec.bytes_per_block + self.mamba_state_spec.bytes_per_block
+            return spec.num_blocks_for(memory_bytes * spec.bytes_per_block // per_block)
         draft = self.spec_decoder.draft_model if self.spec_decoder is not None else None
         if draft is not None:
             per_block = spec.bytes_per_block + draft.kv_cache_spec.bytes_per_block
@@ -137,6 +149,9 @@ class ModelRunner:
             bind_kv_cache(self.model, *layer_caches(self.kv_caches, self.kv_groups))
         else:
             bind_kv_cache(self.model, self.kv_caches)
+        if self.mamba_state_spec is not None:
+            states = allocate_mamba_state(self.mamba_state_spec, num_blocks, self.device)
+            bind_mamba_state(self.model, states)
         # Every cache indexed by the scheduler's block ids: block copies apply to all of them.
         self._block_indexed_caches = list(self.kv_caches)
         if self.spec_decoder is not None and self.spec_decoder.draft_model is not None:
@@ -386,4 +401,5 @@ def _attention_metadata(
         max_seq_len=inputs.max_seq_len,
         kv_connector=kv_connector,
         group_tables=inputs.group_tables,
+        state_slots=inputs.state_slots,
     )
