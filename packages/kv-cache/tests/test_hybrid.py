@@ -222,6 +222,8 @@ def test_a_state_group_turns_prefix_caching_off_with_one_log_line(caplog):
     assert not mgr.enable_caching
     assert [r.message for r in caplog.records if "prefix caching is off" in r.message] != []
     assert len(caplog.records) == 1
+    # An engine reports the hash algorithm whether or not caching is on.
+    assert mgr.hasher.algo == HybridKVCacheManager(8, BLOCK, [StateSpec()]).hasher.algo
 
 
 def test_even_groups_keep_a_state_group_whole():

@@ -112,7 +112,11 @@ class HybridKVCacheManager:
                 group = LocalAttentionManager(num_blocks, block_size, spec, **settings)
             group.kv_group = index
             self.groups.append(group)
-        self.hasher: BlockHasher = self.groups[0].hasher if self.enable_caching else None
+        # Group 0's hasher (the one a plain manager would have), also where caching is off: an
+        # engine reports its algorithm either way.
+        self.hasher: BlockHasher = getattr(self.groups[0], "hasher", None) or BlockHasher(
+            block_size, hash_algo, hash_seed
+        )
         self.interleave_block_ids = interleave_block_ids
         self._state_first = sorted(
             range(len(self.specs)), key=lambda g: not isinstance(self.specs[g], StateSpec)

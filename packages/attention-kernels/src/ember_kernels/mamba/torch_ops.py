@@ -108,13 +108,15 @@ def selective_state_update(
     ``x``."""
     num_heads = x.shape[1]
     dt = _discretized_dt(dt, dt_bias, dt_limit)  # [R, H]
-    state = ssm_states[state_indices].float()
-    if has_initial_state is not None:
-        state = state * has_initial_state.float()[:, None, None, None]
-    decay = torch.exp(dt * A.float())[:, :, None, None]
+    decay = torch.exp(dt * A.float())
+    if has_initial_state is not None:  # a fresh request's slot is read as zeros
+        decay = decay * has_initial_state.float()[:, None]
     xf = x.float()
-    inject = (dt[:, :, None] * xf)[..., None] * _per_head(B, num_heads)[:, :, None, :]
-    state = state * decay + inject
+    # The state is the one large tensor: gathered once, updated in place, scattered once.
+    state = ssm_states[state_indices].to(torch.float32, copy=True)
+    state.mul_(decay[:, :, None, None]).addcmul_(
+        (dt[:, :, None] * xf)[..., None], _per_head(B, num_heads)[:, :, None, :]
+    )
     ssm_states[state_indices] = state.to(ssm_states.dtype)
     y = torch.einsum("rhpn,rhn->rhp", state, _per_head(C, num_heads))
     return (y + D.float()[:, None] * xf).to(x.dtype)
