@@ -33,6 +33,7 @@ from ember_worker.executor import InProcessExecutor
 from ember_worker.hf_config import load_hf_config
 from ember_worker.mamba_state import MambaStateSpec
 from ember_worker.models.config import DecoderConfig
+from ember_worker.models.mamba_mixer import MambaStepMetadata
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,11 +85,23 @@ def test_config_and_specs_read_the_mixers_and_the_attention_layer():
     assert spec.bytes_per_block == STATE_BYTES_PER_BLOCK
 
 
-def test_greedy_parity_whole_and_chunked_prefill_in_mixed_batches():
+def test_greedy_parity_whole_and_chunked_prefill_in_mixed_batches(monkeypatch):
     assert max(len(p) for p in parity_prompts()) > 4 * 16  # several scan chunks
+    steps = []  # per step: (rows decoding one token, rows running a prefill chunk)
+    build = MambaStepMetadata.build
+
+    def recording_build(metadata):
+        step = build(metadata)
+        count = lambda rows: 0 if rows is None else rows.numel()  # noqa: E731
+        steps.append((count(step.decode_rows), count(step.prefill_rows)))
+        return step
+
+    monkeypatch.setattr(MambaStepMetadata, "build", staticmethod(recording_build))
     for budget in (512, 24):
+        steps.clear()
         outputs, totals = run(make_engine(max_num_batched_tokens=budget), parity_prompts(), greedy)
         assert totals["max_running"] > 1
+        assert any(decoding and prefilling for decoding, prefilling in steps)  # mixed steps
         assert_matches_hf(ARCH, outputs)
 
 

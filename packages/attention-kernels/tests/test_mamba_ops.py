@@ -135,3 +135,28 @@ def test_triton_state_update_matches_torch():
     got = triton_ops.selective_state_update(states, *(a.to(device) for a in args))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states.cpu(), want_states, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_prefill_scan_matches_the_chunked_torch_scan():
+    from ember_kernels.mamba import triton_ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(4)
+    A, D, dt_bias = params(gen)
+    lengths = [5, 1, 11, 3]
+    qsl, x, dt, B, C = batch(gen, lengths)
+    states = torch.randn(6, HEADS, HEAD_DIM, STATE, generator=gen)
+    slots = torch.tensor([5, 0, 3, 2])
+    has_initial = torch.tensor([False, True, True, False])
+    want_states = states.clone()
+    want = torch_ops.ssd_chunk_scan_varlen(
+        x, dt, A, B, C, D, dt_bias, want_states, slots, qsl, has_initial, 4
+    )
+    args = (x, dt, A, B, C, D, dt_bias)
+    states = states.to(device)
+    got = triton_ops.varlen_scan(
+        *(a.to(device) for a in args), states, slots.to(device), qsl.to(device),
+        has_initial.to(device),
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states.cpu(), want_states, atol=1e-4, rtol=1e-4)
