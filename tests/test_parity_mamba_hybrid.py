@@ -135,3 +135,24 @@ def test_a_request_holds_one_state_block_beside_its_kv_blocks():
             state, full = (g.get_block_ids("long") for g in groups)
             assert len(state) == 1 and len(full) == -(-(len(prompt) + 10) // BLOCK_SIZE)
     assert tuple(tokens) == hf_greedy(ARCH)[-1]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+        ("enable_lora", True),
+    ],
+)
+def test_what_a_mamba_hybrid_cannot_do_is_refused_by_name(setting, value):
+    from ember import LLM
+
+    field = "speculative_config" if setting == "speculative_config" else "lora_config"
+    with pytest.raises(ValueError, match=f"{field}: .*Mamba hybrid"):
+        LLM(
+            str(tiny_model_path(ARCH)),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory=64 * (KV_BYTES_PER_BLOCK + STATE_BYTES_PER_BLOCK),
+            **{setting: value},
+        )

@@ -118,6 +118,8 @@ class ModelRunner:
                 "speculative_config: speculative decoding is not supported for a Mamba hybrid "
                 "(its state cannot roll back rejected drafts)"
             )
+        if self.mamba_state_spec is not None and lora_config is not None:
+            raise ValueError("lora_config: LoRA is not supported for a Mamba hybrid (Bamba)")
         if len(self.kv_groups) > 1:  # layer j of every group shares cache tensor j
             largest = max(len(group.layer_ids) for group in self.kv_groups)
             self.kv_cache_spec = dataclasses.replace(self.kv_cache_spec, num_layers=largest)
