@@ -39,9 +39,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCH = "bamba"
 # One attention layer: 2 KV heads of 16, keys and values, float32. Three mixers: a conv window of
-# 3 x (128 + 2 * 2 * 16) channels and an SSM state of 8 heads x 16 x 16, float32.
+# 3 x (128 + 2 * 2 * 16) channels and an SSM state of 8 heads x 16 x 16, float32, per request.
 KV_BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 2 * 16 * 4
-STATE_BYTES_PER_BLOCK = 3 * (3 * 192 + 8 * 16 * 16) * 4
+STATE_BYTES_PER_REQUEST = 3 * (3 * 192 + 8 * 16 * 16) * 4
 
 
 def make_engine(
@@ -54,7 +54,7 @@ def make_engine(
         max_num_seqs=NUM_PROMPTS,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * (KV_BYTES_PER_BLOCK + STATE_BYTES_PER_BLOCK),
+        kv_cache_memory=num_blocks * KV_BYTES_PER_BLOCK + NUM_PROMPTS * STATE_BYTES_PER_REQUEST,
         seed=0,
     )
     assert executor.num_kv_blocks == num_blocks
@@ -82,7 +82,10 @@ def test_config_and_specs_read_the_mixers_and_the_attention_layer():
     executor = make_engine().executor
     assert executor.kv_cache_specs == [StateSpec(), FullAttentionSpec(), StateSpec(), StateSpec()]
     spec = MambaStateSpec.for_model(executor.loaded.model)
-    assert spec.bytes_per_block == STATE_BYTES_PER_BLOCK
+    assert spec.bytes_per_request == STATE_BYTES_PER_REQUEST
+    # The states of max_num_seqs requests come first out of kv_cache_memory.
+    with pytest.raises(ValueError, match=r"kv_cache_memory .* Mamba states of max_num_seqs=16"):
+        executor.worker.model_runner.num_kv_blocks_for(NUM_PROMPTS * STATE_BYTES_PER_REQUEST)
 
 
 def test_greedy_parity_whole_and_chunked_prefill_in_mixed_batches(monkeypatch):
@@ -153,6 +156,6 @@ def test_what_a_mamba_hybrid_cannot_do_is_refused_by_name(setting, value):
             str(tiny_model_path(ARCH)),
             dtype="float32",
             max_model_len=MAX_MODEL_LEN,
-            kv_cache_memory=64 * (KV_BYTES_PER_BLOCK + STATE_BYTES_PER_BLOCK),
+            kv_cache_memory=64 * (KV_BYTES_PER_BLOCK + STATE_BYTES_PER_REQUEST),
             **{setting: value},
         )

@@ -46,7 +46,7 @@ class ModelInputs:
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
     # With state groups (a Mamba hybrid): each row's state blocks, which lead its table row
     # (``block_table`` above is then the rest of the row).
-    state_slots: torch.Tensor | None = None
+    state_blocks: torch.Tensor | None = None
 
 
 class ModelInputBuffers:
@@ -138,14 +138,14 @@ class ModelInputBuffers:
             views = self._views[(n, total)] = self._make_views(n, total)
         if batch.device.type != "cpu":
             views = self._copy_to_device(views)
-        state_slots = None
+        state_blocks = None
         if batch.num_state_blocks:
             table, states = views[5], batch.num_state_blocks
-            state_slots = table[:, :states].contiguous()
+            state_blocks = table[:, :states].contiguous()
             views = (*views[:5], table[:, states:].contiguous(), *views[6:])
         return ModelInputs(
             *views,
-            state_slots=state_slots,
+            state_blocks=state_blocks,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             num_tokens=total,

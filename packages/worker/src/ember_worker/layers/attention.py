@@ -28,7 +28,8 @@ class AttentionMetadata:
     kv_connector: KVLayerTransfer | None = None
     # With several KV groups: (slot_mapping, block_table) of each; a layer reads its group's.
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
-    # With state groups (a Mamba hybrid): [num_seqs, num_state_groups] state block ids.
+    # A Mamba hybrid's: [num_seqs, num_state_groups] each row's state slot (its slot in the
+    # mixers' state tensors; ember_worker.mamba_state).
     state_slots: torch.Tensor | None = None
 
 

@@ -1,7 +1,7 @@
 """The Mamba-2 mixer of an attention / Mamba hybrid, over the engine's flat batch.
 
-Each request's conv window and SSM state live in its state block (the KV cache's state group,
-``ember_worker.mamba_state``): the block id is the slot of every mixer's state tensors. A step's
+Each request's conv window and SSM state live in its state slot (``ember_worker.mamba_state``:
+the slot of the state block the KV cache's state group gave it) in every mixer's tensors. A step's
 requests split once (``MambaStepMetadata``) into those scheduled one token (decode: the fused
 state update) and those scheduled several (prefill chunks: the chunked scan); a request's first
 chunk starts from a zero state, a later one from the state its last chunk left.
