@@ -194,10 +194,43 @@ def test_interleaved_tables_are_one_row_that_grows_by_appending():
     # blocks (the manager's table has the null block there; nothing reads them any more).
     assert row[1::2] == full
     assert all(a == b for a, b in zip(row[0::2], local) if b != 0)
-    with pytest.raises(ValueError, match="interleave_block_ids"):
-        HybridKVCacheManager(
-            8, BLOCK, [FullAttentionSpec(), StateSpec()], interleave_block_ids=True
-        )
+
+
+def test_a_state_groups_block_leads_the_interleaved_row():
+    # A Mamba hybrid whose first layer is a Mamba layer: the state group is group 0.
+    mgr = HybridKVCacheManager(
+        32, BLOCK, [StateSpec(), FullAttentionSpec()], interleave_block_ids=True
+    )
+    assert mgr.num_state_groups == 1
+    tokens = list(range(6))
+    row = list(mgr.allocate_slots("a", tokens, 6))
+    assert len(row) == 1 + 2
+    for _ in range(7):
+        tokens.append(7)
+        row += mgr.allocate_slots("a", tokens, 1, num_computed_tokens=len(tokens) - 1)
+    state, full = mgr.groups[0].get_block_ids("a"), mgr.groups[1].get_block_ids("a")
+    assert row == mgr.get_block_ids("a") == state + full
+    assert len(full) == -(-len(tokens) // BLOCK) and state[0] not in full
+    mgr.free("a")
+    assert mgr.num_free_blocks == 31
+
+
+def test_a_state_group_turns_prefix_caching_off_with_one_log_line(caplog):
+    with caplog.at_level("INFO", logger="ember_kv_cache.hybrid_manager"):
+        mgr = HybridKVCacheManager(8, BLOCK, [FullAttentionSpec(), StateSpec()])
+        HybridKVCacheManager(8, BLOCK, [FullAttentionSpec(), StateSpec()], enable_caching=False)
+    assert not mgr.enable_caching
+    assert [r.message for r in caplog.records if "prefix caching is off" in r.message] != []
+    assert len(caplog.records) == 1
+    # An engine reports the hash algorithm whether or not caching is on.
+    assert mgr.hasher.algo == HybridKVCacheManager(8, BLOCK, [StateSpec()]).hasher.algo
+
+
+def test_even_groups_keep_a_state_group_whole():
+    state, full = StateSpec(), FullAttentionSpec()
+    groups = group_layers_evenly([state, full, state, state, full, state])
+    assert [(g.spec, g.layer_ids) for g in groups] == [(state, (0, 2, 3, 5)), (full, (1, 4))]
+    assert group_layers_evenly([state, state])[0].layer_ids == (0, 1)
 
 
 def test_kv_events_name_the_group_of_each_block():

@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "qwen3_moe": ["Qwen3MoeForCausalLM"],
     "deepseek_v2": ["DeepseekV2ForCausalLM"],
     "deepseek_v3": ["DeepseekV3ForCausalLM"],
+    "bamba": ["BambaForCausalLM"],
 }
 # Fields a transformers class types as a plain int: it refuses the config when they are null.
 NULL_REFUSED = {
@@ -115,6 +116,18 @@ DEEPSEEK_CHOICES = {
     "topk_method": [ABSENT, "greedy", "group_limited_greedy"],
     "rope_interleave": [ABSENT, False],
 }
+# Bamba's Mamba-2 mixers (its head size is derived: mamba_expand * hidden_size / mamba_n_heads).
+BAMBA_CHOICES = {
+    "attn_layer_indices": [ABSENT, None, [1], [0, 2]],
+    "mamba_n_heads": [ABSENT, 8, 16],
+    "mamba_n_groups": [ABSENT, 2],
+    "mamba_d_state": [ABSENT, 16],
+    "mamba_d_conv": [ABSENT, 3],
+    "mamba_chunk_size": [ABSENT, 64],
+    "mamba_conv_bias": [ABSENT, False],
+    "mamba_proj_bias": [ABSENT, True],
+    "time_step_limit": [ABSENT, [0.001, 100.0]],
+}
 WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
 
 
@@ -126,11 +139,13 @@ def _variants(model_type: str, count: int) -> list[dict]:
         raw = {"model_type": model_type, "architectures": [rng.choice(ARCHITECTURES[model_type])]}
         deepseek = model_type.startswith("deepseek")
         moe = deepseek or model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+        bamba = model_type == "bamba"
         extra = DEEPSEEK_CHOICES if deepseek else MOE_CHOICES if moe else {}
+        extra = BAMBA_CHOICES if bamba else extra
         for field, values in {**CHOICES, **extra}.items():
             value = rng.choice(values)
             # DeepSeek's head_dim is its rotary part (qk_rope_head_dim), never set on its own.
-            skip = (moe and field in WINDOW_FIELDS) or (deepseek and field == "head_dim")
+            skip = ((moe or bamba) and field in WINDOW_FIELDS) or (deepseek and field == "head_dim")
             if value is not ABSENT and not skip:
                 raw[field] = value
         if moe and "num_experts" in raw and "num_local_experts" in raw:
@@ -142,7 +157,7 @@ def _variants(model_type: str, count: int) -> list[dict]:
                 del raw[field]
         if "id2label" in raw and "num_labels" in raw:
             del raw["num_labels"]  # transformers only warns when they disagree
-        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3 and not moe:
+        if rng.random() < 0.3 and raw.get("num_hidden_layers") == 3 and not (moe or bamba):
             raw["layer_types"] = ["full_attention", "sliding_attention", "full_attention"]
         raw.update(json.loads(json.dumps(rng.choice(ROPES))))
         variants.append(raw)

@@ -73,9 +73,19 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         ),
     ),
     "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=32, norm_topk_prob=True),  # + a correction bias
+    # An attention / Mamba-2 hybrid: layer 1 attention (RoPE on half of each head), layers 0, 2
+    # and 3 Mamba-2 mixers of 8 heads of 16 channels, 2 groups of B and C, a state of 16, a
+    # conv of width 4 and chunks of 16 tokens (most prompts span several).
+    "bamba": dict(
+        tie_word_embeddings=False, initializer_range=0.2, num_hidden_layers=4,
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2,
+        mamba_d_conv=4, mamba_chunk_size=16, mamba_expand=2,
+    ),
 }  # fmt: skip
 # Models whose layers keep different things in the KV cache (sliding and global layers).
 HYBRID_ARCHITECTURES = ("gemma2", "gemma3_text")
+# Attention / Mamba hybrids: a state per request beside paged KV.
+MAMBA_HYBRID_ARCHITECTURES = ("bamba",)
 # The mixture-of-experts architectures among ARCH_CONFIGS (not in ARCHITECTURES, whose fixture
 # runs every dense-model test once per architecture).
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -124,6 +134,7 @@ __all__ = [
     "BENCH_LLAMA_CONFIG",
     "CLASSIFIER_ARCHITECTURES",
     "HYBRID_ARCHITECTURES",
+    "MAMBA_HYBRID_ARCHITECTURES",
     "MOE_ARCHITECTURES",
     "QWEN_05B_CONFIG",
     "QWEN_15B_CONFIG",

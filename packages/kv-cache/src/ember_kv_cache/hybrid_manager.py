@@ -3,6 +3,7 @@ that share one block pool, each group with its own block table per request."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +26,8 @@ from ember_kv_cache.specs import (
     max_tokens_per_request,
 )
 from ember_kv_cache.stats import PrefixCacheStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,15 @@ class HybridKVCacheManager:
     continue from (a local group needs only its window's tail, a state group none: with one, hits
     are off). ``reuse_partial_blocks`` and the KV connector are for full attention alone.
 
-    With ``interleave_block_ids`` (token-block groups only: every group then holds one block per
-    ``block_size`` tokens) the tables come as one list, ``[g0[0], g1[0], ..., g0[1], g1[1], ...]``,
-    for an engine that stores one block-table row per request: group ``g``'s table is the row's
-    entries ``g::len(specs)``, and new ids append to it as for a single group.
+    With ``interleave_block_ids`` the tables come as one list for an engine that stores one
+    block-table row per request: first the one block of each state group (in group order), then
+    the token-block groups' tables interleaved, ``[g0[0], g1[0], ..., g0[1], g1[1], ...]``: with
+    ``S`` state groups, token group ``g``'s table is the row's entries ``S + g::num_token_groups``.
+    New ids append to the row as for a single group (a state block comes with a request's first
+    allocation only).
+
+    A state group summarizes every token before it, so with one prefix caching is off: the
+    manager says so once in the log when ``enable_caching`` asked for it.
     """
 
     def __init__(
@@ -81,7 +89,13 @@ class HybridKVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.specs = tuple(specs)
-        self.enable_caching = enable_caching and not any(isinstance(s, StateSpec) for s in specs)
+        has_state = any(isinstance(s, StateSpec) for s in specs)
+        if enable_caching and has_state:
+            logger.info(
+                "prefix caching is off for this model: its state layers (Mamba / linear "
+                "attention) keep a state per request that a cached block cannot restore"
+            )
+        self.enable_caching = enable_caching and not has_state
         self.groups = []
         for index, spec in enumerate(self.specs):
             settings = dict(
@@ -98,10 +112,16 @@ class HybridKVCacheManager:
                 group = LocalAttentionManager(num_blocks, block_size, spec, **settings)
             group.kv_group = index
             self.groups.append(group)
-        self.hasher: BlockHasher = self.groups[0].hasher if self.enable_caching else None
+        # Group 0's hasher (the one a plain manager would have), also where caching is off: an
+        # engine reports its algorithm either way.
+        self.hasher: BlockHasher = getattr(self.groups[0], "hasher", None) or BlockHasher(
+            block_size, hash_algo, hash_seed
+        )
         self.interleave_block_ids = interleave_block_ids
-        if interleave_block_ids and any(isinstance(s, StateSpec) for s in specs):
-            raise ValueError("interleave_block_ids needs groups of one block per token block")
+        self._state_first = sorted(
+            range(len(self.specs)), key=lambda g: not isinstance(self.specs[g], StateSpec)
+        )  # the row's group order: state groups, then token groups (stable)
+        self.num_state_groups = sum(isinstance(s, StateSpec) for s in self.specs)
         self._stats = PrefixCacheStats()
 
     @property
@@ -220,7 +240,7 @@ class HybridKVCacheManager:
             for group, hit in zip(self.groups, per_group)
         )
         self.block_pool.free_blocks(held)  # each group took its own reference meanwhile
-        return _interleave(new_ids) if self.interleave_block_ids else new_ids
+        return self._row(new_ids) if self.interleave_block_ids else new_ids
 
     def free(
         self, request_id: str, token_ids: Sequence[int] | None = None, num_computed_tokens: int = 0
@@ -233,7 +253,7 @@ class HybridKVCacheManager:
         """A copy of the request's block table in each group (interleaved into one list with
         ``interleave_block_ids``)."""
         tables = tuple(group.get_block_ids(request_id) for group in self.groups)
-        return _interleave(tables) if self.interleave_block_ids else tables
+        return self._row(tables) if self.interleave_block_ids else tables
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         return 0
@@ -252,9 +272,16 @@ class HybridKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
+    def _row(self, tables: tuple[list[int], ...]) -> list[int]:
+        """The groups' new ids (or tables) as one block-table row's entries: state groups'
+        ids first, then the token groups' interleaved."""
+        ordered = [tables[g] for g in self._state_first]
+        states = self.num_state_groups
+        return [i for ids in ordered[:states] for i in ids] + _interleave(tuple(ordered[states:]))
+
 
 def _interleave(tables: tuple[list[int], ...]) -> list[int]:
     """Groups' equally long id lists as one: entry ``i`` of group ``g`` at ``i * len + g``."""
-    if not tables[0]:
+    if not tables or not tables[0]:
         return []
     return [block_id for entries in zip(*tables, strict=True) for block_id in entries]

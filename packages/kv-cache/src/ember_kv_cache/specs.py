@@ -109,11 +109,16 @@ def group_layers_evenly(layer_specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup
     group has, whichever group holds it: Gemma 3's 5 local layers per global one make 5 local
     groups beside the global one, not one group five times its size."""
     groups = group_layers(layer_specs)
-    size = min(len(group.layer_ids) for group in groups)
+    token_groups = [group for group in groups if not isinstance(group.spec, StateSpec)]
+    if not token_groups:
+        return groups
+    size = min(len(group.layer_ids) for group in token_groups)
     return [
-        KVCacheGroup(group.spec, group.layer_ids[start : start + size])
+        KVCacheGroup(group.spec, group.layer_ids[start : start + step])
         for group in groups
-        for start in range(0, len(group.layer_ids), size)
+        # A state group stays whole: its one block per request holds every state layer's state.
+        for step in [len(group.layer_ids) if isinstance(group.spec, StateSpec) else size]
+        for start in range(0, len(group.layer_ids), step)
     ]
 
 

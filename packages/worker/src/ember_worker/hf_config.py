@@ -94,6 +94,14 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True, num_experts_per_tok=8,
         moe_intermediate_size=2048, rope_interleave=True,
     ),
+    "bamba": dict(
+        {k: v for k, v in _LLAMA_SHAPE.items() if k != "head_dim"}, vocab_size=128000, intermediate_size=14336, num_key_value_heads=8,
+        rms_norm_eps=1e-5, max_position_embeddings=262144, bos_token_id=1, eos_token_id=2,
+        attention_bias=False, mlp_bias=False, attn_layer_indices=None, mamba_n_heads=128,
+        mamba_d_head="auto", mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=256, mamba_conv_bias=True, mamba_proj_bias=False,
+        time_step_limit=(0.0, float("inf")),
+    ),
 }  # fmt: skip
 # model_type -> {name a config.json may use: the name its transformers class stores it under}.
 _ATTRIBUTE_ALIASES: dict[str, dict[str, str]] = {
@@ -211,6 +219,8 @@ def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
             "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(config["num_hidden_layers"])
         ]
+    if model_type == "bamba":
+        _complete_bamba(config)
     config["dtype"] = raw.get("dtype") or raw.get("torch_dtype")
     if model_type == "gemma3_text":
         config["rope_parameters"] = _local_global_rope_parameters(config)
@@ -222,6 +232,21 @@ def hf_config_from_dict(raw: dict[str, Any]) -> HFConfig:
     config["id2label"] = {int(k): v for k, v in id2label.items()}
     config["num_labels"] = len(config["id2label"])
     return HFConfig(**config)
+
+
+def _complete_bamba(config: dict[str, Any]) -> None:
+    """BambaConfig's rules: the Mamba head size from the expansion, RoPE on half of each head,
+    and each layer's kind from ``attn_layer_indices`` (the rest are Mamba layers)."""
+    if config["mamba_d_head"] == "auto":
+        config["mamba_d_head"] = (
+            config["mamba_expand"] * config["hidden_size"] // config["mamba_n_heads"]
+        )
+    config["partial_rotary_factor"] = 0.5
+    attention = set(config["attn_layer_indices"] or ())
+    config["layers_block_type"] = [
+        "full_attention" if i in attention else "linear_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
 
 
 def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class InputBatch:
         vocab_size: int,
         device: torch.device | str = "cpu",
         num_kv_groups: int = 1,
+        num_state_blocks: int = 0,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -85,7 +86,11 @@ class InputBatch:
         self.vocab_size = vocab_size
         # Several KV groups' tables share a row, interleaved (ember_worker.kv_specs).
         self.num_kv_groups = num_kv_groups
-        self.max_blocks_per_req = _cdiv(max_model_len, block_size) * num_kv_groups
+        # A Mamba hybrid's state blocks (one per state group) lead its row.
+        self.num_state_blocks = num_state_blocks
+        self.max_blocks_per_req = (
+            _cdiv(max_model_len, block_size) * num_kv_groups + num_state_blocks
+        )
         self.device = torch.device(device)
 
         # Row storage. zeros() is lazily backed by the OS, so unused tails cost no memory. The
@@ -313,8 +318,8 @@ class InputBatch:
         # One reduction for every check (tokens held, room in the blocks, non-negative counts);
         # the error path works out which one failed.
         blocks = self.num_blocks[:n]
-        if self.num_kv_groups > 1:
-            blocks = blocks // self.num_kv_groups
+        if self.num_kv_groups > 1 or self.num_state_blocks:
+            blocks = (blocks - self.num_state_blocks) // self.num_kv_groups
         capacity = np.minimum(self.num_tokens[:n], blocks * self.block_size)
         slack = np.minimum(capacity - computed - num_sched, num_sched)
         if total <= 0 or total > self.max_num_batched_tokens or slack.min() < 0:
@@ -342,7 +347,7 @@ class InputBatch:
                 f"num_scheduled_tokens of {self._req_ids[row]!r}: {num_sched[row]} tokens after "
                 f"{computed[row]} computed exceed the {self.num_tokens[row]} it holds"
             )
-        needed = _cdiv(seq_lens, self.block_size) * self.num_kv_groups
+        needed = _cdiv(seq_lens, self.block_size) * self.num_kv_groups + self.num_state_blocks
         row = np.flatnonzero(needed > self.num_blocks[:n])[0]
         return ValueError(
             f"block_ids of {self._req_ids[row]!r}: {self.num_blocks[row]} blocks cannot hold "

@@ -33,9 +33,11 @@ class KVCacheSpec:
     def for_model(cls, loaded: LoadedModel, block_size: int) -> KVCacheSpec:
         """This rank's share: its pipeline stage's layers and its tensor-parallel KV heads."""
         layers = loaded.model.local_layers
-        attention = loaded.model.model.layers[layers.start].self_attn
+        # A hybrid's Mamba layers keep no paged KV (ember_worker.mamba_state holds theirs).
+        holders = [i for i in layers if hasattr(loaded.model.model.layers[i], "self_attn")]
+        attention = loaded.model.model.layers[holders[0]].self_attn
         return cls(
-            num_layers=len(layers),
+            num_layers=len(holders),
             block_size=block_size,
             num_kv_heads=attention.attn.num_kv_heads,
             head_size=attention.attn.head_size,

@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import torch
 
-from ember_kv_cache import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers_evenly
+from ember_kv_cache import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    SlidingWindowSpec,
+    StateSpec,
+    group_layers_evenly,
+)
 from ember_kv_cache.specs import KVCacheSpec
 from ember_worker.hf_config import load_hf_config, resolve_model_path
 from ember_worker.models import DecoderConfig
 
 
 def layer_kv_specs(config: DecoderConfig) -> list[KVCacheSpec]:
-    """One spec per layer: a sliding window where the layer has one, else full attention."""
+    """One spec per layer: a state for a Mamba layer (``MambaHybridConfig.mamba_layers``), a
+    sliding window where the layer has one, else full attention."""
+    mamba = getattr(config, "mamba_layers", None) or (False,) * config.num_hidden_layers
     return [
-        FullAttentionSpec() if window is None else SlidingWindowSpec(int(window))
-        for window in config.sliding_windows
+        StateSpec()
+        if is_mamba
+        else FullAttentionSpec()
+        if window is None
+        else SlidingWindowSpec(int(window))
+        for window, is_mamba in zip(config.sliding_windows, mamba)
     ]
 
 
@@ -30,8 +42,16 @@ def model_layer_kv_specs(model: str) -> list[KVCacheSpec]:
 
 
 def kv_cache_groups(config: DecoderConfig) -> list[KVCacheGroup]:
-    """The layer groups of a model, as the scheduler's KV cache manager forms them."""
-    return group_layers_evenly(layer_kv_specs(config))
+    """The token-block layer groups of a model (those with paged KV), as the scheduler's KV
+    cache manager forms them; its state groups (``state_groups``) lead each block-table row."""
+    groups = group_layers_evenly(layer_kv_specs(config))
+    return [group for group in groups if not isinstance(group.spec, StateSpec)]
+
+
+def state_groups(config: DecoderConfig) -> list[KVCacheGroup]:
+    """The model's state groups (Mamba layers): one block per request each."""
+    groups = group_layers_evenly(layer_kv_specs(config))
+    return [group for group in groups if isinstance(group.spec, StateSpec)]
 
 
 def layer_caches(

@@ -44,6 +44,9 @@ class ModelInputs:
     # With several KV groups: (slot_mapping, block_table) of each; the fields above are group 0's
     # slots and the interleaved table.
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    # With state groups (a Mamba hybrid): each row's state blocks, which lead its table row
+    # (``block_table`` above is then the rest of the row).
+    state_blocks: torch.Tensor | None = None
 
 
 class ModelInputBuffers:
@@ -114,6 +117,7 @@ class ModelInputBuffers:
         index += positions
         self._input_ids_np[:total] = self._token_ids_flat[index]
         np.multiply(req_indices, batch.max_blocks_per_req, out=index)
+        index += batch.num_state_blocks  # the state blocks lead the row
         num_groups = batch.num_kv_groups
         index += (
             positions // block_size if num_groups == 1 else positions // block_size * num_groups
@@ -134,8 +138,14 @@ class ModelInputBuffers:
             views = self._views[(n, total)] = self._make_views(n, total)
         if batch.device.type != "cpu":
             views = self._copy_to_device(views)
+        state_blocks = None
+        if batch.num_state_blocks:
+            table, states = views[5], batch.num_state_blocks
+            state_blocks = table[:, :states].contiguous()
+            views = (*views[:5], table[:, states:].contiguous(), *views[6:])
         return ModelInputs(
             *views,
+            state_blocks=state_blocks,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             num_tokens=total,
@@ -152,7 +162,7 @@ class ModelInputBuffers:
         tables = []
         for group in range(num_groups):
             slots = torch.from_numpy(self._block_table_flat[index + group] * size + offsets)
-            rows = table[:, group::num_groups].contiguous()
+            rows = table[:, batch.num_state_blocks + group :: num_groups].contiguous()
             tables.append((slots.to(device), rows.to(device)))
         return tuple(tables)
 

@@ -22,7 +22,9 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.hf_config import HFConfig, load_hf_config, resolve_model_path
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.models import DecoderConfig, DecoderForCausalLM, DecoderForSequenceClassification
+from ember_worker.models.bamba import BambaForCausalLM
 from ember_worker.models.gemma import GemmaConfig, GemmaForCausalLM
+from ember_worker.models.mamba_config import MambaHybridConfig
 from ember_worker.models.moe_config import with_expert_parallel
 from ember_worker.quantization import check_quantization, quantize_model, resolve_quantization
 
@@ -154,6 +156,8 @@ def load_model(
     model_class = DecoderForSequenceClassification if config.num_labels else DecoderForCausalLM
     if isinstance(config, GemmaConfig):
         model_class = GemmaForCausalLM
+    elif isinstance(config, MambaHybridConfig):
+        model_class = BambaForCausalLM
     with torch.device(device):
         decoder = model_class(config, tp=tp, pp=pp, dtype=torch_dtype)
     weights = iterate_weights(safetensors_files(path), keep=decoder.holds_tensor)

@@ -24,9 +24,15 @@ from ember_worker.distributed.groups import SINGLE_STAGE, PipelineStage
 from ember_worker.input_batch import InputBatch
 from ember_worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_kv_blocks
 from ember_worker.kv_connector import TieredConnectorWorker
-from ember_worker.kv_specs import kv_cache_groups, layer_caches
+from ember_worker.kv_specs import kv_cache_groups, layer_caches, state_groups
 from ember_worker.layers.attention import AttentionMetadata, bind_kv_cache
 from ember_worker.lora.manager import LoRAManager
+from ember_worker.mamba_state import (
+    MambaStateSlots,
+    MambaStateSpec,
+    allocate_mamba_state,
+    bind_mamba_state,
+)
 from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
@@ -87,6 +93,7 @@ class ModelRunner:
             vocab_size=loaded.config.vocab_size,
             device=device,
             num_kv_groups=len(self.kv_groups),
+            num_state_blocks=len(state_groups(loaded.config)),
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
@@ -109,6 +116,17 @@ class ModelRunner:
                 "layers keep different KV (sliding-window and global layers)"
             )
         self.kv_cache_spec = KVCacheSpec.for_model(loaded, block_size)
+        # A Mamba hybrid's mixers keep a state per request in the batch (ember_worker.mamba_state).
+        self.mamba_state_spec = MambaStateSpec.for_model(self.model)
+        self.mamba_slots: MambaStateSlots | None = None
+        self.max_num_seqs = max_num_seqs
+        if self.mamba_state_spec is not None and speculative_config is not None:
+            raise ValueError(
+                "speculative_config: speculative decoding is not supported for a Mamba hybrid "
+                "(its state cannot roll back rejected drafts)"
+            )
+        if self.mamba_state_spec is not None and lora_config is not None:
+            raise ValueError("lora_config: LoRA is not supported for a Mamba hybrid (Bamba)")
         if len(self.kv_groups) > 1:  # layer j of every group shares cache tensor j
             largest = max(len(group.layer_ids) for group in self.kv_groups)
             self.kv_cache_spec = dataclasses.replace(self.kv_cache_spec, num_layers=largest)
@@ -125,6 +143,14 @@ class ModelRunner:
         """Blocks that ``memory_bytes`` hold, for the target's KV and a draft model's together
         (they share block ids)."""
         spec = self.kv_cache_spec
+        if self.mamba_state_spec is not None:  # the states of max_num_seqs requests first
+            states = self.max_num_seqs * self.mamba_state_spec.bytes_per_request
+            if memory_bytes <= states:
+                raise ValueError(
+                    f"kv_cache_memory of {memory_bytes} bytes holds no KV block beside the Mamba "
+                    f"states of max_num_seqs={self.max_num_seqs} requests ({states} bytes)"
+                )
+            return spec.num_blocks_for(memory_bytes - states)
         draft = self.spec_decoder.draft_model if self.spec_decoder is not None else None
         if draft is not None:
             per_block = spec.bytes_per_block + draft.kv_cache_spec.bytes_per_block
@@ -137,6 +163,10 @@ class ModelRunner:
             bind_kv_cache(self.model, *layer_caches(self.kv_caches, self.kv_groups))
         else:
             bind_kv_cache(self.model, self.kv_caches)
+        if self.mamba_state_spec is not None:
+            states = allocate_mamba_state(self.mamba_state_spec, self.max_num_seqs, self.device)
+            bind_mamba_state(self.model, states)
+            self.mamba_slots = MambaStateSlots(self.max_num_seqs, num_blocks, self.device)
         # Every cache indexed by the scheduler's block ids: block copies apply to all of them.
         self._block_indexed_caches = list(self.kv_caches)
         if self.spec_decoder is not None and self.spec_decoder.draft_model is not None:
@@ -190,6 +220,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(batch.rows["lora_id"][: batch.num_reqs], num_scheduled)
         metadata = _attention_metadata(inputs, self.kv_connector)
+        if self.mamba_slots is not None:
+            metadata.state_slots = self.mamba_slots.slots(inputs.state_blocks)
         hidden_states = self._forward(inputs, metadata)
         samples = len(self.pooler.params) < batch.num_reqs
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
@@ -303,10 +335,14 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             batch.remove_request(req_id)
             self.pooler.remove_request(req_id)
+            if self.mamba_slots is not None:
+                self.mamba_slots.release(req_id)
             if self.grammar_matchers is not None:
                 self.grammar_matchers.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             batch.add_request(new_req)
+            if self.mamba_slots is not None:  # its state block leads its block ids
+                self.mamba_slots.assign(new_req.req_id, new_req.block_ids[0])
             if new_req.lora_request is not None:
                 self._lora_manager_for(new_req.req_id).add_request(new_req.lora_request)
             if new_req.pooling_params is not None:

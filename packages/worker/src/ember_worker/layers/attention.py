@@ -28,6 +28,9 @@ class AttentionMetadata:
     kv_connector: KVLayerTransfer | None = None
     # With several KV groups: (slot_mapping, block_table) of each; a layer reads its group's.
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    # A Mamba hybrid's: [num_seqs, num_state_groups] each row's state slot (its slot in the
+    # mixers' state tensors; ember_worker.mamba_state).
+    state_slots: torch.Tensor | None = None
 
 
 class KVLayerTransfer(Protocol):

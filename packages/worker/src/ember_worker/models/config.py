@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3MoeForCausalLM": dict(qkv_bias=False, qk_norm=True),
     "DeepseekV2ForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "DeepseekV3ForCausalLM": dict(qkv_bias=False, qk_norm=False),
+    # Built by ember_worker.models.bamba (Mamba-2 mixers beside a few attention layers).
+    "BambaForCausalLM": dict(qkv_bias=False, qk_norm=False),
 }
 
 # A sequence classifier is the same decoder with a ``score`` head: architecture -> its decoder's.
@@ -77,6 +79,10 @@ class DecoderConfig:
             from ember_worker.models.gemma import GemmaConfig  # it builds on this module
 
             return GemmaConfig.from_gemma_hf_config(hf_config, arch)
+        if arch == "BambaForCausalLM":
+            from ember_worker.models.mamba_config import MambaHybridConfig
+
+            return MambaHybridConfig.from_bamba_hf_config(hf_config, arch)
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
