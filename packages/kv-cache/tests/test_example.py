@@ -32,3 +32,13 @@ def test_hybrid_numpy_store_example_keeps_the_window_group_flat():
     assert "80 tokens: window group holds 4 blocks, global 20" in result.stdout
     assert "20 tokens: window group holds 4 blocks, global 5" in result.stdout
     assert "all blocks free again: True" in result.stdout
+
+
+def test_state_numpy_store_example_keeps_one_state_block_per_request():
+    example = EXAMPLE.with_name("state_numpy_store.py")
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "40 tokens: state group holds 1 block, attention 10" in result.stdout
+    assert "state after recompute equals the running one: True" in result.stdout
+    assert "all blocks free again: True" in result.stdout
