@@ -33,9 +33,7 @@ def triton_backend(x, lora_a, lora_b, slots, scale, y):
 
 
 def compiled_backend(x, lora_a, lora_b, slots, scale, y):
-    if x.dtype != torch.float32:
-        pytest.skip("the compiled LoRA kernels take float32")
-    h = torch.empty(x.shape[0], lora_a.shape[1])
+    h = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype)
     cpu_ops.lora_shrink(x, lora_a, slots, scale, h)
     return cpu_ops.lora_expand(y, h, lora_b, slots, 0, 0)
 
@@ -65,11 +63,16 @@ def stacks(num_slots, rank, k, n, dtype, gen):
     [[0, -1, 2, 2, 1, -1, 0, 3, 2], [1, 1, 1], [-1, -1], [3], []],
     ids=["mixed", "one-adapter", "none", "single-row", "empty"],
 )
-def test_shrink_expand_matches_reference(backend, dtype, slot_list):
+@pytest.mark.parametrize("b_layout", ["out-major", "rank-major"])
+def test_shrink_expand_matches_reference(backend, dtype, slot_list, b_layout):
+    """B as a contiguous [slots, out, rank] or as the transpose of a contiguous [slots, rank,
+    out] (the worker's layout)."""
     gen, seed = fresh_generator()
     k, n, rank, num_slots = 96, 80, 8, 4
     x = torch.randn(len(slot_list), k, generator=gen).to(dtype)
     lora_a, lora_b = stacks(num_slots, rank, k, n, dtype, gen)
+    if b_layout == "rank-major":
+        lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
     slots = torch.tensor(slot_list, dtype=torch.int32)
     base = torch.randn(len(slot_list), n, generator=gen).to(dtype)
     y = backend(x, lora_a, lora_b, slots, 0.5, base.clone())
@@ -149,5 +152,6 @@ def test_few_rows_per_adapter_run_the_compiled_kernels():
     x = torch.zeros(16, 8)
     assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x)  # 4 rows per adapter
     assert not LoRAMapping(torch.zeros(16, dtype=torch.int64), 4).runs_compiled(x)
-    assert not LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.bfloat16())
+    assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.bfloat16())
+    assert not LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.double())
     assert not LoRAMapping(torch.full((16,), -1), 4).runs_compiled(x)

@@ -8,9 +8,10 @@ and ``lora_expand`` (``y += h B[slot]^T``, into any column range of ``y`` so tha
 fused projection share one shrink). CUDA tensors run the Triton kernels of
 ``ember_kernels.triton_ops.lora``; other tensors the torch path of ``ember_kernels.torch_ops.lora``,
 which groups the rows by slot once per batch (``LoRAMapping``) and runs one matmul per adapter
-present (no loop over rows or requests), except that float32 batches of a few rows per adapter
+present (no loop over rows or requests), except that batches of a few rows per adapter
 (decoding) run the compiled row-by-row kernels of ``ember_kernels.cpu_ops`` where they are built:
-there each adapter's matmul would cost more in calls than in arithmetic.
+there each adapter's matmul would cost more in calls than in arithmetic. ``lora_b`` may be the
+transpose of a ``[slots, rank, out]`` tensor, the layout the compiled expand reads fastest.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class LoRAMapping:
         return self._groups
 
     def runs_compiled(self, x: torch.Tensor) -> bool:
-        """Whether the compiled CPU kernels serve this batch: float32 CPU rows, a few per
-        adapter present."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_ops.available():
+        """Whether the compiled row-by-row CPU kernels serve this batch of rows like ``x``: CPU
+        rows of a dtype they take, a few per adapter present."""
+        if x.dtype not in cpu_ops.DTYPES or x.device.type != "cpu" or not cpu_ops.available():
             return False
         if self._few_rows_per_adapter is None:
             groups = self.groups()
@@ -118,7 +119,7 @@ def lora_shrink(
         from ember_kernels.triton_ops import lora as triton_lora
 
         return triton_lora.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
-    if mapping.runs_compiled(x) and lora_a.dtype == torch.float32:
+    if mapping.runs_compiled(x) and lora_a.dtype == out.dtype == x.dtype:
         return cpu_ops.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
     return _torch_lora.lora_shrink(x, lora_a, mapping.groups(), scale, out)
 
@@ -148,6 +149,6 @@ def lora_expand(
         from ember_kernels.triton_ops import lora as triton_lora
 
         return triton_lora.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
-    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == torch.float32 and y.stride(1) == 1:
+    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == y.dtype and y.stride(1) == 1:
         return cpu_ops.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
     return _torch_lora.lora_expand(y, h, lora_b, mapping.groups(), y_offset, h_offset)

@@ -74,4 +74,32 @@ def build_cpu_stack(layers: list[DecoderLayer]):
                 mlp.down_proj.weight_scale,
                 attn.qkv_proj.quantize_activations,
             )
-    return stack
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for index, projection in enumerate(projections):
+            if projection.lora is not None:
+                stack.set_lora(index, projection.lora.a, projection.lora.b)
+    lora = layers[0].self_attn.qkv_proj.lora
+    return stack if lora is None else LoRADecoderStack(stack, lora.step)
+
+
+class LoRADecoderStack:
+    """A compiled stack whose projections hold LoRA slots: each forward passes the step's
+    per-token adapter slots (``ember_worker.lora.layers.LoRAStepMapping``; none: the base
+    model alone), added by the per-row kernels or, for a step of many tokens per adapter (a
+    prefill), by one matmul per adapter: the choice ``LoRAMapping.runs_compiled`` makes for the
+    per-operation path, so that both give the same numbers."""
+
+    def __init__(self, stack, step) -> None:
+        self.stack = stack
+        self.step = step
+
+    def forward(self, hidden_states, *args):
+        mapping = self.step.mapping
+        if mapping is None:
+            return self.stack.forward(hidden_states, *args)
+        return self.stack.forward(
+            hidden_states,
+            *args,
+            lora_slots=mapping.slot_indices,
+            lora_grouped=not mapping.runs_compiled(hidden_states),
+        )
