@@ -7,6 +7,7 @@ import torch
 from ek_inputs import fresh_generator
 
 from ember_kernels import RotaryEmbedding, cpu_ops
+from ember_kernels import lora as lora_module
 from ember_kernels.lora import LoRAMapping, lora_expand, lora_shrink
 from ember_kernels.packed_linear import linear, pack_linear_weight
 
@@ -219,9 +220,11 @@ def random_lora(gen, dtype, num_slots, rank):
 @pytest.mark.parametrize(
     ("dtype", "packed"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
 )
-def test_stack_with_lora_slots_equals_the_per_operation_layers(dtype, packed):
+def test_stack_with_lora_slots_equals_the_per_operation_layers(dtype, packed, monkeypatch):
     """Bit for bit: each token's adapter added after its projection's matmul (before a
     row-parallel bias), tokens of several adapters and none in every step."""
+    # The prefills here are short: a lower limit makes them run one matmul per adapter.
+    monkeypatch.setattr(lora_module, "COMPILED_MAX_ROWS_PER_ADAPTER", 8)
     gen, seed = fresh_generator()
     layers = [random_layer(gen, dtype, True, False, w) for w in (0, 5)]
     for layer in layers:

@@ -178,9 +178,10 @@ def test_modules_are_exported():
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
 def test_few_rows_per_adapter_run_the_compiled_kernels():
-    x = torch.zeros(16, 8)
-    assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x)  # 4 rows per adapter
-    assert not LoRAMapping(torch.zeros(16, dtype=torch.int64), 4).runs_compiled(x)
-    assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.bfloat16())
-    assert not LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.double())
-    assert not LoRAMapping(torch.full((16,), -1), 4).runs_compiled(x)
+    x = torch.zeros(64, 8)
+    limit = lora.COMPILED_MAX_ROWS_PER_ADAPTER
+    assert LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x)  # 16 rows per adapter
+    assert not LoRAMapping(torch.zeros(limit + 1, dtype=torch.int64), 4).runs_compiled(x)
+    assert LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x.bfloat16())
+    assert not LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x.double())
+    assert not LoRAMapping(torch.full((64,), -1), 4).runs_compiled(x)

@@ -24,8 +24,9 @@ from ember_kernels import cpu_ops
 from ember_kernels.torch_ops import lora as _torch_lora
 
 # Rows per adapter present at or below which the compiled row-by-row kernels beat one matmul per
-# adapter (``benchmarks/bench_lora_kernels.py``).
-COMPILED_MAX_ROWS_PER_ADAPTER = 8
+# adapter (``benchmarks/bench_lora_kernels.py``: with B in the worker's layout, about 32 in
+# float32 and bfloat16).
+COMPILED_MAX_ROWS_PER_ADAPTER = 32
 
 
 class LoRAMapping:
