@@ -1,8 +1,8 @@
 """LoRA adapters on several ranks (multiprocess executor, gloo), greedy tokens equal to
 transformers running the PEFT-merged model in float32: at tensor parallel size 2 each rank holds
 its shard of every adapter (column-parallel layers cut B, row-parallel layers cut A and sum the
-shrink); at pipeline parallel size 2 each stage holds its layers' part; at data parallel size 2
-each engine holds the adapters of its own requests."""
+shrink); at pipeline parallel size 2 each stage holds its layers' part. (Data parallel engines
+run behind ``ember serve -dp``: packages/server/tests/test_http_lora.py.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ PROMPTS = [[1, 40, 41, 42, 50, 60, 61], [7, 8, 9, 10, 11, 12], [3, 90, 17, 5]]
     [
         pytest.param({"tensor_parallel_size": 2}, id="tp2"),
         pytest.param({"pipeline_parallel_size": 2}, id="pp2"),
-        pytest.param({"data_parallel_size": 2}, id="dp2"),
     ],
 )
 def test_mixed_adapters_on_two_ranks_match_the_merged_models(parallel):
