@@ -20,10 +20,8 @@ BLOCK_M = 16  # rows per program: tl.dot's minimum on NVIDIA GPUs
 
 
 @triton.jit
-def _segment_rows(order_ptr, bounds_ptr, slot, m_block, BLOCK_M: tl.constexpr):
-    start = tl.load(bounds_ptr + slot + 1)
-    end = tl.load(bounds_ptr + slot + 2)
-    ms = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+def _segment_rows(order_ptr, m0, end, BLOCK_M: tl.constexpr):
+    ms = m0 + tl.arange(0, BLOCK_M)
     in_segment = ms < end
     rows = tl.load(order_ptr + ms, mask=in_segment, other=0).to(tl.int64)
     return rows, in_segment
@@ -35,7 +33,11 @@ def _shrink_kernel(
     out_stride, scale, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0).to(tl.int64)
-    rows, in_segment = _segment_rows(order_ptr, bounds_ptr, slot, tl.program_id(1), BLOCK_M)
+    m0 = tl.load(bounds_ptr + slot + 1) + tl.program_id(1) * BLOCK_M
+    end = tl.load(bounds_ptr + slot + 2)
+    if m0 >= end:  # past this slot's rows (the grid is sized for one slot holding every row)
+        return
+    rows, in_segment = _segment_rows(order_ptr, m0, end, BLOCK_M)
     rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     base = a_ptr + slot * a_slot_stride
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -65,7 +67,11 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0).to(tl.int64)
-    rows, in_segment = _segment_rows(order_ptr, bounds_ptr, slot, tl.program_id(1), BLOCK_M)
+    m0 = tl.load(bounds_ptr + slot + 1) + tl.program_id(1) * BLOCK_M
+    end = tl.load(bounds_ptr + slot + 2)
+    if m0 >= end:
+        return
+    rows, in_segment = _segment_rows(order_ptr, m0, end, BLOCK_M)
     ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     r_ok, n_ok = rs < R, ns < N
