@@ -1,10 +1,10 @@
 """LoRA shrink + expand of one fused q/k/v projection on the CPU: one matmul per adapter present
 (the torch path) against the compiled row-by-row kernels, by rows and adapters per batch.
 
-The crossing point sets ``ember_kernels.lora.COMPILED_MAX_ROWS_PER_ADAPTER``. Float32, rank 16,
-hidden 512, q/k/v outputs 512/256/256, 16 slots.
+The crossing point sets ``ember_kernels.lora.COMPILED_MAX_ROWS_PER_ADAPTER``. Float32 and
+bfloat16, rank 16, hidden 512, q/k/v outputs 512/256/256, 16 slots, B in the worker's layout.
 
-    python3 packages/attention-kernels/benchmarks/bench_lora_kernels.py [--threads 1] [--iters 100]
+    python3 packages/attention-kernels/benchmarks/bench_lora_kernels.py [--threads 1] [--iters 100] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ SLOTS, RANK, HIDDEN, OUTS = 16, 16, 512, (512, 256, 256)
 
 def run(backend: str, x, a, bs, slots) -> torch.Tensor:
     rows = x.shape[0]
-    y, h = torch.zeros(rows, sum(OUTS)), torch.empty(rows, a.shape[1])
+    y = torch.zeros(rows, sum(OUTS), dtype=x.dtype)
+    h = torch.empty(rows, a.shape[1], dtype=x.dtype)
     if backend == "segmented":
         groups = LoRAMapping(slots, SLOTS).groups()
         torch_lora.lora_shrink(x, a, groups, 1.0, h)
@@ -43,24 +44,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
     torch.set_num_threads(args.threads)
-    a = torch.randn(SLOTS, len(OUTS) * RANK, HIDDEN)
-    bs = [torch.randn(SLOTS, n, RANK) for n in OUTS]
+    for dtype in args.dtypes.split(","):
+        print(dtype)
+        compare(getattr(torch, dtype), args.iters)
+
+
+def compare(dtype: torch.dtype, iters: int) -> None:
+    a = torch.randn(SLOTS, len(OUTS) * RANK, HIDDEN).to(dtype)
+    # B in the worker's layout: the transpose of a contiguous [slots, rank, out].
+    bs = [torch.randn(SLOTS, RANK, n).to(dtype).transpose(1, 2) for n in OUTS]
     print(f"{'rows':>5} {'adapters':>8} {'segmented us':>13} {'compiled us':>12}")
-    for rows in (1, 16, 64, 256):
-        x = torch.randn(rows, HIDDEN)
+    for rows in (1, 16, 32, 64, 256):
+        x = torch.randn(rows, HIDDEN).to(dtype)
         for adapters in (1, 4, 16):
             slots = torch.arange(rows) % adapters
             times = []
             for backend in ("segmented", "compiled"):
                 run(backend, x, a, bs, slots)
                 start = time.perf_counter()
-                for _ in range(args.iters):
+                for _ in range(iters):
                     run(backend, x, a, bs, slots)
-                times.append((time.perf_counter() - start) / args.iters * 1e6)
+                times.append((time.perf_counter() - start) / iters * 1e6)
             print(f"{rows:>5} {adapters:>8} {times[0]:>13.0f} {times[1]:>12.0f}")
 
 

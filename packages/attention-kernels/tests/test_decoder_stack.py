@@ -7,6 +7,8 @@ import torch
 from ek_inputs import fresh_generator
 
 from ember_kernels import RotaryEmbedding, cpu_ops
+from ember_kernels import lora as lora_module
+from ember_kernels.lora import LoRAMapping, lora_expand, lora_shrink
 from ember_kernels.packed_linear import linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
@@ -46,15 +48,31 @@ def weights_in_order(layer: dict) -> list:
     return [layer[name] for name in WEIGHTS]
 
 
-def per_operation(x, residual, layer, caches, rotary, meta):
+def add_lora(x, y, lora, mapping):
+    """``y`` plus each row's adapter delta (``lora = (a, [b, ...])``) as the worker's LoRA
+    layers add it (``ember_kernels.lora``: per-row kernels or one matmul per adapter); ``y``
+    alone without a mapping."""
+    if lora is None or mapping is None:
+        return y
+    a, bs = lora
+    h = lora_shrink(x, a, mapping)
+    offset = 0
+    for i, b in enumerate(bs):
+        lora_expand(y, h, b, mapping, y_offset=offset, h_offset=i * b.shape[2])
+        offset += b.shape[1]
+    return y
+
+
+def per_operation(x, residual, layer, caches, rotary, meta, lora_mapping=None):
     """One layer from ``cpu_ops``' single functions and ``packed_linear.linear``, as a model
     would."""
     tokens = x.shape[0]
+    lora = layer.get("lora", [None] * 4)
     if residual is None:
         residual, x = x, cpu_ops.rms_norm(x, layer["input_norm"], EPS)
     else:
         x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["input_norm"], EPS)
-    qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+    qkv = add_lora(x, linear(x, layer["qkv"], layer["qkv_bias"]), lora[0], lora_mapping)
     q, k, v = qkv.split([HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE], dim=-1)
     q, k = q.reshape(tokens, HEADS, HEAD_SIZE), k.reshape(tokens, KV_HEADS, HEAD_SIZE)
     v = v.reshape(tokens, KV_HEADS, HEAD_SIZE)
@@ -72,12 +90,13 @@ def per_operation(x, residual, layer, caches, rotary, meta):
         scale=HEAD_SIZE**-0.5,
         sliding_window=layer["window"] or None,
     )
-    x = linear(out.view(tokens, -1), layer["o_proj"])
+    attended = out.view(tokens, -1)
+    x = add_lora(attended, linear(attended, layer["o_proj"]), lora[1], lora_mapping)
     x = x if layer["o_bias"] is None else x + layer["o_bias"]
     x, residual = cpu_ops.fused_add_rms_norm(x, residual, layer["post_norm"], EPS)
-    x = linear(
-        cpu_ops.silu_and_mul(linear(x, layer["gate_up"], layer["gate_up_bias"])), layer["down"]
-    )
+    gate_up = add_lora(x, linear(x, layer["gate_up"], layer["gate_up_bias"]), lora[2], lora_mapping)
+    act = cpu_ops.silu_and_mul(gate_up)
+    x = add_lora(act, linear(act, layer["down"]), lora[3], lora_mapping)
     return (x if layer["down_bias"] is None else x + layer["down_bias"]), residual
 
 
@@ -114,6 +133,14 @@ def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, win
         for layer in layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
                 layer[name] = pack_linear_weight(layer[name])
+    assert_stack_equals_per_operation(layers, dtype, seed)
+
+
+def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0):
+    """Three steps (prefills, one chunked after cached tokens, then a decode of every
+    sequence) through the stack and through the per-operation layers: equal outputs and caches.
+    With ``num_slots``, every token gets a random LoRA slot (or -1) as well: the prefills have
+    many tokens per adapter (one matmul per adapter), the decode a few (per-row kernels)."""
     rotary = RotaryEmbedding(HEAD_SIZE, HEAD_SIZE, 64, 10000.0, True, None, dtype)
     num_blocks = 24
     runs = {}
@@ -126,17 +153,13 @@ def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, win
             HEADS, KV_HEADS, HEAD_SIZE, EPS, HEAD_SIZE**-0.5, rotary.cos_sin_cache, True
         )
         for layer, (key_cache, value_cache) in zip(layers, caches):
-            stack.add_layer(
-                *weights_in_order(layer),
-                key_cache,
-                value_cache,
-                layer["window"],
-            )
+            stack.add_layer(*weights_in_order(layer), key_cache, value_cache, layer["window"])
+            for projection, lora in enumerate(layer.get("lora", ())):
+                stack.set_lora(projection, *lora)
         step_gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(num_blocks, generator=step_gen).to(torch.int32)
         tables = [order[:6], order[6:12], order[12:18]]
         outputs = []
-        # Prefills (one chunked after cached tokens), then a decode of every sequence.
         for q_lens, seq_lens in (
             ([9, 3], [9, 3]),
             ([11, 2, 1], [11, 5, 10]),
@@ -144,20 +167,28 @@ def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, win
         ):
             meta = step(q_lens, seq_lens, tables[: len(q_lens)])
             x = torch.randn(sum(q_lens), HIDDEN, generator=step_gen).to(dtype)
+            mapping, lora_args = None, {}
+            if num_slots:
+                tokens = sum(q_lens)
+                slots = torch.randint(-1, num_slots, (tokens,), generator=step_gen)
+                if tokens > 8:  # a prefill of one adapter: every token, or all but a few
+                    slots[:] = num_slots - 1
+                    if len(q_lens) > 2:
+                        slots[::4] = -1
+                mapping = LoRAMapping(slots, num_slots)
+                grouped = not mapping.runs_compiled(x)
+                assert grouped == (tokens > 8)
+                lora_args = dict(lora_slots=slots, lora_grouped=grouped)
             if name == "stack":
-                out = stack.forward(
-                    x,
-                    None,
-                    meta["positions"],
-                    meta["slot_mapping"],
-                    meta["block_table"],
-                    meta["query_start_loc"],
-                    meta["seq_lens"],
-                )
+                args = [meta[k] for k in ("positions", "slot_mapping", "block_table")]
+                args += [meta["query_start_loc"], meta["seq_lens"]]
+                out = stack.forward(x, None, *args, **lora_args)
             else:
                 out, residual = x, None
                 for layer, layer_caches in zip(layers, caches):
-                    out, residual = per_operation(out, residual, layer, layer_caches, rotary, meta)
+                    out, residual = per_operation(
+                        out, residual, layer, layer_caches, rotary, meta, mapping
+                    )
                 out = (out, residual)
             outputs.append(out)
         runs[name] = (outputs, caches)
@@ -165,6 +196,43 @@ def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, win
         assert torch.equal(a, b) and torch.equal(ra, rb), f"seed {seed}"
     for per_op, stacked in zip(*(runs[n][1] for n in runs)):
         assert all(torch.equal(x, y) for x, y in zip(per_op, stacked)), f"seed {seed}: caches"
+
+
+def random_lora(gen, dtype, num_slots, rank):
+    """LoRA slots on every projection, B in the worker's layout (a transposed [slots, rank,
+    out]), some slots' adapters of a smaller rank (zero padding)."""
+
+    def pair(k, outs):
+        a = torch.randn(num_slots, len(outs) * rank, k, generator=gen) * 0.2
+        bs = [torch.randn(num_slots, rank, n, generator=gen) * 0.2 for n in outs]
+        a[0, rank // 2 :] = 0  # slot 0 holds a smaller rank
+        return a.to(dtype), [b.to(dtype).transpose(1, 2) for b in bs]
+
+    q, kv = HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE
+    return [
+        pair(HIDDEN, (q, kv, kv)),
+        pair(q, (HIDDEN,)),
+        pair(HIDDEN, (INTERMEDIATE, INTERMEDIATE)),
+        pair(INTERMEDIATE, (HIDDEN,)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "packed"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]
+)
+def test_stack_with_lora_slots_equals_the_per_operation_layers(dtype, packed, monkeypatch):
+    """Bit for bit: each token's adapter added after its projection's matmul (before a
+    row-parallel bias), tokens of several adapters and none in every step."""
+    # The prefills here are short: a lower limit makes them run one matmul per adapter.
+    monkeypatch.setattr(lora_module, "COMPILED_MAX_ROWS_PER_ADAPTER", 8)
+    gen, seed = fresh_generator()
+    layers = [random_layer(gen, dtype, True, False, w) for w in (0, 5)]
+    for layer in layers:
+        layer["lora"] = random_lora(gen, dtype, num_slots=3, rank=4)
+        if packed:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                layer[name] = pack_linear_weight(layer[name])
+    assert_stack_equals_per_operation(layers, dtype, seed, num_slots=3)
 
 
 def test_bad_shapes_raise_value_error_naming_the_field():
@@ -178,3 +246,11 @@ def test_bad_shapes_raise_value_error_naming_the_field():
         stack.add_layer(*args, torch.zeros(4, BLOCK, 3, HEAD_SIZE), caches[1], 0)
     with pytest.raises(ValueError, match="num_heads"):
         cpu_ops.decoder_stack(5, 2, HEAD_SIZE, EPS, 0.25, torch.zeros(64, 16), True)
+    stack.add_layer(*args, *caches, 0)
+    a, bs = random_lora(torch.Generator().manual_seed(0), torch.float32, 2, 4)[0]
+    with pytest.raises(ValueError, match="projection"):
+        stack.set_lora(4, a, bs)
+    with pytest.raises(ValueError, match="lora_a"):
+        stack.set_lora(0, a, bs[:2])
+    with pytest.raises(ValueError, match="lora_b"):
+        stack.set_lora(0, a, [b[:1] for b in bs])

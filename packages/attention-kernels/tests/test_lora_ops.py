@@ -32,10 +32,15 @@ def triton_backend(x, lora_a, lora_b, slots, scale, y):
     return TRITON.lora.lora_expand(y, h, lora_b, slots, 0, 0)
 
 
+def triton_segment_backend(x, lora_a, lora_b, slots, scale, y):
+    order, bounds = LoRAMapping(slots, lora_a.shape[0]).segments()
+    h = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32)
+    h = TRITON.lora_segment.lora_shrink(x, lora_a, order, bounds, scale, h)
+    return TRITON.lora_segment.lora_expand(y, h, lora_b, order, bounds, 0, 0)
+
+
 def compiled_backend(x, lora_a, lora_b, slots, scale, y):
-    if x.dtype != torch.float32:
-        pytest.skip("the compiled LoRA kernels take float32")
-    h = torch.empty(x.shape[0], lora_a.shape[1])
+    h = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype)
     cpu_ops.lora_shrink(x, lora_a, slots, scale, h)
     return cpu_ops.lora_expand(y, h, lora_b, slots, 0, 0)
 
@@ -44,6 +49,7 @@ BACKENDS = [
     pytest.param(torch_backend, id="dispatch"),
     pytest.param(segmented_backend, id="torch"),
     pytest.param(triton_backend, id="triton"),
+    pytest.param(triton_segment_backend, id="triton-segment"),
     pytest.param(
         compiled_backend,
         id="compiled",
@@ -65,11 +71,16 @@ def stacks(num_slots, rank, k, n, dtype, gen):
     [[0, -1, 2, 2, 1, -1, 0, 3, 2], [1, 1, 1], [-1, -1], [3], []],
     ids=["mixed", "one-adapter", "none", "single-row", "empty"],
 )
-def test_shrink_expand_matches_reference(backend, dtype, slot_list):
+@pytest.mark.parametrize("b_layout", ["out-major", "rank-major"])
+def test_shrink_expand_matches_reference(backend, dtype, slot_list, b_layout):
+    """B as a contiguous [slots, out, rank] or as the transpose of a contiguous [slots, rank,
+    out] (the worker's layout)."""
     gen, seed = fresh_generator()
     k, n, rank, num_slots = 96, 80, 8, 4
     x = torch.randn(len(slot_list), k, generator=gen).to(dtype)
     lora_a, lora_b = stacks(num_slots, rank, k, n, dtype, gen)
+    if b_layout == "rank-major":
+        lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
     slots = torch.tensor(slot_list, dtype=torch.int32)
     base = torch.randn(len(slot_list), n, generator=gen).to(dtype)
     y = backend(x, lora_a, lora_b, slots, 0.5, base.clone())
@@ -123,6 +134,26 @@ def test_mapping_groups_rows_by_slot():
     groups = [(slot, rows.tolist()) for slot, rows in mapping.groups()]
     assert groups == [(0, [2, 4]), (1, [0, 3])]
     assert LoRAMapping(torch.tensor([2, 2]), 3).groups() == [(2, None)]
+    order, bounds = mapping.segments()
+    assert order.tolist() == [1, 2, 4, 0, 3] and bounds.tolist() == [0, 1, 3, 5, 5]
+
+
+@pytest.mark.parametrize("rows_per_adapter", [1, 17, 40])
+def test_segment_kernels_tile_long_segments(rows_per_adapter):
+    """Segments longer than one row tile (16 rows), rows of each slot interleaved with others',
+    a rank below the tile's 16 and B in the worker's layout: the Triton segment kernels equal the
+    row-by-row reference."""
+    gen, seed = fresh_generator()
+    k, n, rank, num_slots = 40, 24, 4, 3
+    slots = torch.arange(num_slots * rows_per_adapter) % (num_slots + 1) - 1
+    slots = slots[torch.randperm(slots.numel(), generator=gen)]
+    x = torch.randn(slots.numel(), k, generator=gen)
+    lora_a, lora_b = stacks(num_slots, rank, k, n, torch.float32, gen)
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    base = torch.randn(slots.numel(), n, generator=gen)
+    y = triton_segment_backend(x, lora_a, lora_b, slots, 2.0, base.clone())
+    expected = base + lora_reference(x, lora_a, lora_b, slots, 2.0)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
 def test_bad_arguments_are_refused():
@@ -142,12 +173,15 @@ def test_bad_arguments_are_refused():
 def test_modules_are_exported():
     assert lora.lora_shrink is lora_shrink
     assert callable(torch_ops.lora.lora_expand) and callable(triton_ops.lora.lora_expand)
+    assert callable(triton_ops.lora_segment.lora_expand)
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
 def test_few_rows_per_adapter_run_the_compiled_kernels():
-    x = torch.zeros(16, 8)
-    assert LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x)  # 4 rows per adapter
-    assert not LoRAMapping(torch.zeros(16, dtype=torch.int64), 4).runs_compiled(x)
-    assert not LoRAMapping(torch.arange(16) % 4, 4).runs_compiled(x.bfloat16())
-    assert not LoRAMapping(torch.full((16,), -1), 4).runs_compiled(x)
+    x = torch.zeros(64, 8)
+    limit = lora.COMPILED_MAX_ROWS_PER_ADAPTER
+    assert LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x)  # 16 rows per adapter
+    assert not LoRAMapping(torch.zeros(limit + 1, dtype=torch.int64), 4).runs_compiled(x)
+    assert LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x.bfloat16())
+    assert not LoRAMapping(torch.arange(64) % 4, 4).runs_compiled(x.double())
+    assert not LoRAMapping(torch.full((64,), -1), 4).runs_compiled(x)

@@ -184,3 +184,44 @@ def test_serve_flags_parse_into_engine_args_and_lora_modules():
     assert dict(args.lora_modules) == {"a": "/x", "b": "/y/z"}
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", "m", "--lora-modules", "no-equals-sign"])
+
+
+@pytest.mark.slow
+def test_adapters_behind_two_data_parallel_engines(base, adapters, monkeypatch):
+    """``-dp 2``: served and run-time-loaded adapters and the base model, the requests spread
+    over both engine processes (each loads the adapters of its own requests); greedy text
+    equals the merged models'."""
+    monkeypatch.setenv(RUNTIME_UPDATING_ENV, "1")
+    args = EngineArgs(
+        model=str(base),
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_model_len=128,
+        kv_cache_memory=4 * 1024**2,
+        num_threads=1,
+        data_parallel_size=2,
+    )
+    with ServerThread(args, lora_modules={"sql": str(adapters["sql"])}) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        loaded = httpx.post(
+            f"{server.base_url}/v1/load_lora_adapter",
+            json={"lora_name": "chat", "lora_path": str(adapters["chat"])},
+        )
+        assert loaded.status_code == 200, loaded.text
+        base_name = server.engine.served_model_name
+        expected = {
+            "sql": _expected_text(base, adapters["sql"]),
+            "chat": _expected_text(base, adapters["chat"]),
+            base_name: _expected_text(base, None),
+        }
+        for model in ("sql", base_name, "chat", "chat", base_name, "sql"):
+            assert _complete(client, model) == expected[model], model
+        routed = httpx.get(f"{server.base_url}/metrics").text
+        engines = {
+            line.split('engine="')[1].split('"')[0]
+            for line in routed.splitlines()
+            if line.startswith("ember:dp_routed_requests_total{") and not line.endswith(" 0.0")
+        }
+        assert len(engines) == 2, routed

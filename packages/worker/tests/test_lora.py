@@ -175,6 +175,31 @@ def test_adapters_compose_with_ngram_speculative_decoding(base, adapters):
     assert verified
 
 
+def test_decode_steps_with_adapters_run_the_compiled_stack(base, adapters, monkeypatch):
+    """Decode steps mixing adapters and the base model run the compiled CPU decoder stack with
+    per-token adapter slots, and give the per-layer path's tokens."""
+    from ember_kernels import cpu_ops
+    from ember_worker.models import cpu_stack, decoder
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ compiler here")
+    names = ["all", "qv-rslora", "base", "fused"]
+    jobs = [(n, p, _request(n, adapters)) for n, p in zip(names, PROMPTS)]
+    forward, slotted = cpu_stack.LoRADecoderStack.forward, []
+
+    def watched(self, *args):
+        if self.step.mapping is not None:
+            slotted.append(self.step.mapping.slot_indices.tolist())
+        return forward(self, *args)
+
+    monkeypatch.setattr(cpu_stack.LoRADecoderStack, "forward", watched)
+    stacked, _ = _run(base, jobs)
+    assert any(len(set(s)) == 4 for s in slotted)  # three adapters and the base in one step
+    monkeypatch.setattr(decoder, "build_cpu_stack", lambda layers: None)
+    per_layer, _ = _run(base, jobs)
+    assert stacked == per_layer
+
+
 def _config(base) -> DecoderConfig:
     return DecoderConfig.from_hf_config(load_hf_config(base))
 

@@ -5,12 +5,15 @@ and ``lora_b [slots, out, rank]``, zero-padded to the largest rank (padding adds
 batch names the slot of each row (``-1``: no adapter), and the low-rank delta runs in two steps,
 as in Punica and S-LoRA: ``lora_shrink`` (``h = scale * x A[slot]^T``, a few columns per row)
 and ``lora_expand`` (``y += h B[slot]^T``, into any column range of ``y`` so that the slices of a
-fused projection share one shrink). CUDA tensors run the Triton kernels of
-``ember_kernels.triton_ops.lora``; other tensors the torch path of ``ember_kernels.torch_ops.lora``,
+fused projection share one shrink). CUDA tensors run the Triton kernels: per row
+(``triton_ops.lora``) for a few rows per adapter, else by row groups, one small matrix product
+per tile of an adapter's rows (``triton_ops.lora_segment``; the crossing point is the CPU's,
+not measured on a GPU). Other tensors run the torch path of ``ember_kernels.torch_ops.lora``,
 which groups the rows by slot once per batch (``LoRAMapping``) and runs one matmul per adapter
-present (no loop over rows or requests), except that float32 batches of a few rows per adapter
+present (no loop over rows or requests), except that batches of a few rows per adapter
 (decoding) run the compiled row-by-row kernels of ``ember_kernels.cpu_ops`` where they are built:
-there each adapter's matmul would cost more in calls than in arithmetic.
+there each adapter's matmul would cost more in calls than in arithmetic. ``lora_b`` may be the
+transpose of a ``[slots, rank, out]`` tensor, the layout the compiled expand reads fastest.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from ember_kernels import cpu_ops
 from ember_kernels.torch_ops import lora as _torch_lora
 
 # Rows per adapter present at or below which the compiled row-by-row kernels beat one matmul per
-# adapter (``benchmarks/bench_lora_kernels.py``).
-COMPILED_MAX_ROWS_PER_ADAPTER = 8
+# adapter (``benchmarks/bench_lora_kernels.py``: with B in the worker's layout, about 32 in
+# float32 and bfloat16).
+COMPILED_MAX_ROWS_PER_ADAPTER = 32
 
 
 class LoRAMapping:
@@ -38,6 +42,7 @@ class LoRAMapping:
         self.slot_indices = slot_indices
         self.num_slots = num_slots
         self._groups: list[tuple[int, torch.Tensor | None]] | None = None
+        self._segments: tuple[torch.Tensor, torch.Tensor] | None = None
         self._few_rows_per_adapter: bool | None = None
 
     @property
@@ -51,11 +56,31 @@ class LoRAMapping:
             self._groups = _group_rows(self.slot_indices, self.num_slots)
         return self._groups
 
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(order, bounds)`` for the Triton segment kernels: the rows sorted by slot (stable,
+        rows without an adapter first) and where each slot's rows start (slot ``s`` owns
+        ``order[bounds[s + 1]:bounds[s + 2]]``), computed on the slots' device without a host
+        sync, on first use."""
+        if self._segments is None:
+            slots = self.slot_indices.long()
+            counts = torch.zeros(self.num_slots + 1, dtype=torch.int64, device=slots.device)
+            counts.index_add_(0, slots + 1, torch.ones_like(slots))
+            bounds = torch.zeros(self.num_slots + 2, dtype=torch.int64, device=slots.device)
+            torch.cumsum(counts, 0, out=bounds[1:])
+            self._segments = (torch.argsort(slots, stable=True), bounds)
+        return self._segments
+
     def runs_compiled(self, x: torch.Tensor) -> bool:
-        """Whether the compiled CPU kernels serve this batch: float32 CPU rows, a few per
-        adapter present."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not cpu_ops.available():
+        """Whether the compiled row-by-row CPU kernels serve this batch of rows like ``x``: CPU
+        rows of a dtype they take, a few per adapter present."""
+        if x.dtype not in cpu_ops.DTYPES or x.device.type != "cpu" or not cpu_ops.available():
             return False
+        return self.few_rows_per_adapter()
+
+    def few_rows_per_adapter(self) -> bool:
+        """At most ``COMPILED_MAX_ROWS_PER_ADAPTER`` rows per adapter present on average
+        (decoding): the per-row kernels' batches, CPU or Triton; more rows per adapter run one
+        matmul per adapter (torch) or the Triton segment kernels."""
         if self._few_rows_per_adapter is None:
             groups = self.groups()
             rows = sum(self.num_rows if r is None else r.numel() for _, r in groups)
@@ -116,9 +141,12 @@ def lora_shrink(
         raise ValueError(f"out: expected a contiguous tensor of shape {shape}")
     if x.is_cuda:
         from ember_kernels.triton_ops import lora as triton_lora
+        from ember_kernels.triton_ops import lora_segment
 
+        if not mapping.few_rows_per_adapter():
+            return lora_segment.lora_shrink(x, lora_a, *mapping.segments(), scale, out)
         return triton_lora.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
-    if mapping.runs_compiled(x) and lora_a.dtype == torch.float32:
+    if mapping.runs_compiled(x) and lora_a.dtype == out.dtype == x.dtype:
         return cpu_ops.lora_shrink(x, lora_a, mapping.slot_indices, scale, out)
     return _torch_lora.lora_shrink(x, lora_a, mapping.groups(), scale, out)
 
@@ -146,8 +174,12 @@ def lora_expand(
         )
     if y.is_cuda:
         from ember_kernels.triton_ops import lora as triton_lora
+        from ember_kernels.triton_ops import lora_segment
 
+        if not mapping.few_rows_per_adapter():
+            segments = mapping.segments()
+            return lora_segment.lora_expand(y, h, lora_b, *segments, y_offset, h_offset)
         return triton_lora.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
-    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == torch.float32 and y.stride(1) == 1:
+    if mapping.runs_compiled(y) and h.dtype == lora_b.dtype == y.dtype and y.stride(1) == 1:
         return cpu_ops.lora_expand(y, h, lora_b, mapping.slot_indices, y_offset, h_offset)
     return _torch_lora.lora_expand(y, h, lora_b, mapping.groups(), y_offset, h_offset)

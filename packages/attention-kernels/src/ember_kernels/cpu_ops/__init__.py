@@ -90,7 +90,8 @@ def int8_linear(
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, scale: float, out: torch.Tensor
 ) -> torch.Tensor:
-    """Row-by-row ``ember_kernels.lora.lora_shrink`` (float32; slot indices as a tensor)."""
+    """Row-by-row ``ember_kernels.lora.lora_shrink`` (x, lora_a and out of one dtype; slot
+    indices as a tensor)."""
     _library().lora_shrink(_rows(x), lora_a.contiguous(), slots.long(), scale, out)
     return out
 
@@ -103,11 +104,14 @@ def lora_expand(
     y_offset: int,
     h_offset: int,
 ) -> torch.Tensor:
-    """Row-by-row ``ember_kernels.lora.lora_expand`` in place (float32; rows of ``y``
-    contiguous)."""
+    """Row-by-row ``ember_kernels.lora.lora_expand`` in place (y, h and lora_b of one dtype;
+    rows of ``y`` contiguous). ``lora_b`` may be the transpose of a contiguous ``[slots, rank,
+    out]`` tensor, the layout this kernel reads fastest."""
     if y.stride(-1) != 1:
         raise ValueError("y: rows must be contiguous")
-    _library().lora_expand(y, _rows(h), lora_b.contiguous(), slots.long(), y_offset, h_offset)
+    if not (lora_b.is_contiguous() or lora_b.transpose(1, 2).is_contiguous()):
+        lora_b = lora_b.contiguous()
+    _library().lora_expand(y, _rows(h), lora_b, slots.long(), y_offset, h_offset)
     return y
 
 
@@ -134,10 +138,13 @@ def decoder_stack(
     value_cache, sliding_window)`` (weights as ``[out, in]`` tensors, held, not copied; absent
     biases and norms as None; window 0 for none; int8 weights followed by
     ``set_weight_scales(qkv, o_proj, gate_up, down, quantize_activations)`` with their
-    per-channel scales, and whether the activations are quantized per token: W8A8), then call ``forward(hidden_states, residual,
-    positions, slot_mapping, block_table, query_start_loc, seq_lens)`` for ``(hidden_states,
-    residual)`` after every layer, with the same numbers as the per-operation functions here.
-    Runs without the GIL."""
+    per-channel scales, and whether the activations are quantized per token: W8A8), and
+    projections with LoRA slots followed by ``set_lora(projection, lora_a, lora_b_per_slice)``
+    (0 qkv, 1 o_proj, 2 gate_up, 3 down; tensors as ``lora_shrink``/``lora_expand`` take them),
+    then call ``forward(hidden_states, residual, positions, slot_mapping, block_table,
+    query_start_loc, seq_lens, lora_slots=None)`` for ``(hidden_states, residual)`` after every
+    layer, with the same numbers as the per-operation functions here (``lora_slots``: each
+    token's adapter slot, -1 for none). Runs without the GIL."""
     return _library().DecoderStack(
         num_heads, num_kv_heads, head_size, rms_norm_eps, scale, cos_sin_cache, is_neox_style
     )

@@ -18,5 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_weight_scales", &DecoderStack::set_weight_scales)
-      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("set_lora", &DecoderStack::set_lora)
+      .def("forward", &DecoderStack::forward, pybind11::arg("hidden_states"),
+           pybind11::arg("residual"), pybind11::arg("positions"), pybind11::arg("slot_mapping"),
+           pybind11::arg("block_table"), pybind11::arg("query_start_loc"),
+           pybind11::arg("seq_lens"), pybind11::arg("lora_slots") = pybind11::none(),
+           pybind11::arg("lora_grouped") = false,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

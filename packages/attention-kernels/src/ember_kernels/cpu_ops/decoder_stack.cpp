@@ -12,6 +12,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -42,11 +43,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
 
-// y = x W^T, then + b (row-parallel projections add their bias after the partial sums).
+// y = x W^T (+ LoRA), then + b (row-parallel projections add their bias after the partial sums
+// and the adapter's delta).
 at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& scales,
-                            bool quantize_activations) {
+                            bool quantize_activations, const at::Tensor& lora_a,
+                            const std::vector<at::Tensor>& lora_b, const LoRARows& rows) {
   at::Tensor y = linear(x, weight, at::Tensor(), scales, quantize_activations);
+  lora_add(x, y, lora_a, lora_b, rows);
   return bias.defined() ? y + bias : y;
 }
 
@@ -119,12 +123,39 @@ void DecoderStack::set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tens
   layer.quantize_activations = quantize_activations;
 }
 
+void DecoderStack::set_lora(int64_t projection, at::Tensor lora_a,
+                            std::vector<at::Tensor> lora_b) {
+  TORCH_CHECK_VALUE(!layers_.empty(), "set_lora: add a layer first");
+  TORCH_CHECK_VALUE(projection >= 0 && projection < 4,
+                    "projection: expected 0 (qkv), 1 (o_proj), 2 (gate_up) or 3 (down), got ",
+                    projection);
+  TORCH_CHECK_VALUE(!lora_b.empty() && lora_a.dim() == 3 && lora_a.is_contiguous(),
+                    "lora_a: expected a contiguous [slots, slices * rank, in] tensor and one "
+                    "lora_b per slice");
+  const int64_t rank = lora_b.front().dim() == 3 ? lora_b.front().size(2) : 0;
+  TORCH_CHECK_VALUE(lora_a.size(1) == rank * static_cast<int64_t>(lora_b.size()),
+                    "lora_a: expected ", rank * static_cast<int64_t>(lora_b.size()),
+                    " rows per slot (rank ", rank, " for each of ", lora_b.size(), " slices), got ",
+                    lora_a.size(1));
+  for (const at::Tensor& b : lora_b) {
+    TORCH_CHECK_VALUE(b.dim() == 3 && b.size(0) == lora_a.size(0) && b.size(2) == rank &&
+                          b.scalar_type() == lora_a.scalar_type(),
+                      "lora_b: expected [", lora_a.size(0), ", out, ", rank, "] tensors of ",
+                      lora_a.scalar_type());
+  }
+  layers_.back().lora[projection] = LoRA{lora_a, std::move(lora_b)};
+}
+
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor hidden, std::optional<at::Tensor> residual_in, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
-    const at::Tensor& query_start_loc, const at::Tensor& seq_lens) const {
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+    std::optional<at::Tensor> lora_slots, bool lora_grouped) const {
   TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden_states: expected [num_tokens, hidden]");
   const int64_t tokens = hidden.size(0);
+  TORCH_CHECK_VALUE(!lora_slots || (lora_slots->dim() == 1 && lora_slots->size(0) == tokens),
+                    "lora_slots: expected one slot index per token");
+  const LoRARows lora = lora_rows(lora_slots ? *lora_slots : at::Tensor(), lora_grouped);
   const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
   const at::Tensor positions64 = positions.to(at::kLong).contiguous();
   const at::Tensor slots64 = slot_mapping.to(at::kLong).contiguous();
@@ -140,8 +171,9 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     } else {
       std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
     }
-    const at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale,
-                                  layer.quantize_activations);
+    at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale,
+                            layer.quantize_activations);
+    lora_add(hidden, qkv, layer.lora[0].a, layer.lora[0].b, lora);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
     const at::Tensor v =
@@ -159,12 +191,15 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     paged_attention(q, key_cache, value_cache, table32, starts32, lens32, scale_,
                     layer.sliding_window, 0.0, attended);
     hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias,
-                              layer.o_scale, layer.quantize_activations);
+                              layer.o_scale, layer.quantize_activations, layer.lora[1].a,
+                              layer.lora[1].b, lora);
     std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.post_norm, eps_);
-    hidden = linear_then_bias(
-        silu_and_mul(linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale,
-                            layer.quantize_activations)),
-        layer.down, layer.down_bias, layer.down_scale, layer.quantize_activations);
+    at::Tensor gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale,
+                                layer.quantize_activations);
+    lora_add(hidden, gate_up, layer.lora[2].a, layer.lora[2].b, lora);
+    hidden = linear_then_bias(silu_and_mul(gate_up), layer.down, layer.down_bias,
+                              layer.down_scale, layer.quantize_activations, layer.lora[3].a,
+                              layer.lora[3].b, lora);
   }
   return {hidden, residual};
 }

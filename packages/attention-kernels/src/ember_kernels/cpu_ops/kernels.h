@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 void paged_attention(
@@ -31,13 +32,28 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
 
-// Per-row LoRA (float32): out[t] = scale * lora_a[slots[t]] x[t] (zeros for slot -1), and
-// y[t, y_offset:] += lora_b[slots[t]] h[t, h_offset:] (``lora_a [S, R, K]``, ``lora_b [S, N, R]``
-// contiguous; x, h, y, out with contiguous rows; slots int64).
+// Per-row LoRA (float32, float16 or bfloat16, summed in float32): out[t] = scale *
+// lora_a[slots[t]] x[t] (zeros for slot -1), and y[t, y_offset:] += lora_b[slots[t]]
+// h[t, h_offset:] (``lora_a [S, R, K]`` contiguous, ``lora_b [S, N, R]`` contiguous or the
+// transpose of a contiguous [S, R, N]; x, h, y, out with contiguous rows; slots int64).
 void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& slots,
                  double scale, at::Tensor& out);
 void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
                  const at::Tensor& slots, int64_t y_offset, int64_t h_offset);
+// A step's LoRA rows: each token's slot and, for ``grouped`` steps (many tokens per adapter, as
+// in a prefill), the tokens of each slot present, in row order (undefined: every token, one
+// slot), for one matmul per adapter as ember_kernels.torch_ops.lora runs them.
+struct LoRARows {
+  at::Tensor slots;  // int64 [tokens], -1: none; undefined: no adapter in the step
+  bool grouped = false;
+  std::vector<std::pair<int64_t, at::Tensor>> groups;
+};
+LoRARows lora_rows(const at::Tensor& slots, bool grouped);
+// y plus each row's adapter delta, in place: one shrink by ``lora_a [S, n * R, K]`` for the n
+// slices, one expand per ``lora_b [S, N_i, R]`` into its columns of y; per row (lora_shrink and
+// lora_expand) or per group (matmuls), with the numbers of the matching Python path.
+void lora_add(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a,
+              const std::vector<at::Tensor>& lora_b, const LoRARows& rows);
 // W8A8: x [M, K] quantized to int8 per row (symmetric, one float32 scale each), times an int8
 // weight [N, K] with float32 scales [N] in int32, scaled back and + bias; y [M, N] in x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -70,19 +86,34 @@ class DecoderStack {
   void set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up, at::Tensor down,
                          bool quantize_activations);
 
+  // LoRA adapter slots of one projection of the last added layer (0 qkv, 1 o_proj, 2 gate_up,
+  // 3 down): ``lora_a [slots, n * rank, in]`` and one ``lora_b [slots, out_i, rank]`` per slice
+  // of the output (n slices side by side), as lora_shrink/lora_expand take them. Held, not
+  // copied: slots written later are seen.
+  void set_lora(int64_t projection, at::Tensor lora_a, std::vector<at::Tensor> lora_b);
+
   // (hidden_states, residual) after every layer; ``residual`` None before the first layer.
+  // ``lora_slots [tokens]`` (-1: none) adds each token's adapter to the projections that have
+  // LoRA slots (``lora_add``; ``lora_grouped``: one matmul per adapter), after the matmul and
+  // before a row-parallel projection's bias, as the per-operation path adds it.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor hidden_states, std::optional<at::Tensor> residual, const at::Tensor& positions,
       const at::Tensor& slot_mapping, const at::Tensor& block_table,
-      const at::Tensor& query_start_loc, const at::Tensor& seq_lens) const;
+      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+      std::optional<at::Tensor> lora_slots, bool lora_grouped) const;
 
  private:
+  struct LoRA {
+    at::Tensor a;                // undefined: no adapter slots on this projection
+    std::vector<at::Tensor> b;  // one per output slice
+  };
   struct Layer {
     at::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o_proj, o_bias, post_norm, gate_up,
         gate_up_bias, down, down_bias, key_cache, value_cache;
     int64_t sliding_window;
     at::Tensor qkv_scale, o_scale, gate_up_scale, down_scale;  // undefined: float weights
     bool quantize_activations = false;                         // W8A8
+    LoRA lora[4];                                              // qkv, o_proj, gate_up, down
   };
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;

@@ -1,6 +1,6 @@
 """Triton kernels: the path for CUDA tensors (CPU tensors run them under ``TRITON_INTERPRET=1``)."""
 
-from ember_kernels.triton_ops import lora
+from ember_kernels.triton_ops import lora, lora_segment
 from ember_kernels.triton_ops.activation import silu_and_mul
 from ember_kernels.triton_ops.cache import reshape_and_cache
 from ember_kernels.triton_ops.fused_moe import fused_experts
@@ -12,6 +12,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_experts",
     "lora",
+    "lora_segment",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -33,8 +33,8 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, h_ptr, b_ptr, slots_ptr, N, R, y_stride, h_stride, b_slot_stride, y_offset, h_offset,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr, h_ptr, b_ptr, slots_ptr, N, R, y_stride, h_stride, b_slot_stride, b_n_stride,
+    b_r_stride, y_offset, h_offset, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,7 +46,9 @@ def _expand_kernel(
     hmask = rs < r_limit
     hv = tl.load(h_ptr + row * h_stride + h_offset + rs, mask=hmask, other=0.0).to(tl.float32)
     bmask = (ns[:, None] < N) & hmask[None, :]
-    bv = tl.load(base + ns[:, None] * R + rs[None, :], mask=bmask, other=0.0).to(tl.float32)
+    bv = tl.load(
+        base + ns[:, None] * b_n_stride + rs[None, :] * b_r_stride, mask=bmask, other=0.0
+    ).to(tl.float32)
     delta = tl.sum(bv * hv[None, :], axis=1)
     ymask = ns < n_limit
     y_row = y_ptr + row * y_stride + y_offset + ns
@@ -82,14 +84,15 @@ def lora_expand(
     """Triton ``ember_kernels.lora.lora_expand`` (same contract, slot indices as a tensor)."""
     if y.stride(1) != 1:
         raise ValueError("y: rows must be contiguous")
-    h, lora_b = _rows_contiguous(h), lora_b.contiguous()
+    h = _rows_contiguous(h)  # lora_b in any layout: the kernel reads its strides
     rows, n, r = y.shape[0], lora_b.shape[1], lora_b.shape[2]
     if rows and n and r:
         block_n = min(triton.next_power_of_2(n), 256)
         grid = (rows, triton.cdiv(n, block_n))
         _expand_kernel[grid](
-            y, h, lora_b, slots, n, r, y.stride(0), h.stride(0), lora_b.stride(0), y_offset,
-            h_offset, BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(r),
+            y, h, lora_b, slots, n, r, y.stride(0), h.stride(0), lora_b.stride(0),
+            lora_b.stride(1), lora_b.stride(2), y_offset, h_offset, BLOCK_N=block_n,
+            BLOCK_R=triton.next_power_of_2(r),
         )  # fmt: skip
     return y
 

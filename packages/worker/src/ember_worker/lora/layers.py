@@ -3,9 +3,11 @@ shrink/expand (``ember_kernels.lora``) that adds each row's adapter to the layer
 
 A layer of ``n`` slices (q/k/v, gate/up, or one) holds ``a [slots, n * max_rank, in]`` (the
 slices' ``A`` side by side, so one shrink serves all of them) and per slice ``b [slots, out,
-max_rank]``, zero where a slot holds no adapter or a smaller rank. Under tensor parallelism the
-slots hold this rank's shard, cut as the layer cuts its weight: a column-parallel layer's ``B``
-rows, a row-parallel layer's ``A`` columns (whose partial shrink is summed over the group).
+max_rank]`` (a transposed view), zero where a slot holds no adapter or a smaller rank. Under
+tensor parallelism the slots hold this rank's shard, cut as the layer cuts its weight: a
+column-parallel layer's ``B`` rows, a row-parallel layer's ``A`` columns (whose partial shrink
+is summed over the group). The compiled CPU decoder stack holds the same tensors
+(``models.cpu_stack``), so a slot written here is what both paths read.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ class LoRALinearDelta:
         self.a = torch.zeros(
             num_slots, len(slice_sizes) * max_rank, in_local, dtype=dtype, device=device
         )
+        # Each B as the transpose of a [slots, max_rank, out] tensor: the compiled expand then
+        # adds rank-long runs of whole output rows (``ember_kernels.cpu_ops.lora_expand``).
         self.b = [
-            torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device)
+            torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device).transpose(1, 2)
             for size in self.out_sizes
         ]
 

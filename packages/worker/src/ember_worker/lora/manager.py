@@ -59,10 +59,6 @@ class LoRAManager:
             )
             module.lora = delta
             self.deltas[(layer, target)] = delta
-        # The compiled CPU decoder stack runs its own matmuls: a step with adapters takes the
-        # per-layer path (which adds the deltas), a step of the base model alone the stack.
-        self._decoder = getattr(model, "model", None)
-        self._stack_allowed = getattr(self._decoder, "use_cpu_stack", False)
         self.requests: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
@@ -114,9 +110,8 @@ class LoRAManager:
         self._set_mapping(LoRAMapping(tensor, self.lora_config.max_loras))
 
     def _set_mapping(self, mapping: LoRAMapping | None) -> None:
+        # Read by every layer's delta and by the compiled CPU decoder stack (models.cpu_stack).
         self.step.mapping = mapping
-        if self._decoder is not None:
-            self._decoder.use_cpu_stack = self._stack_allowed and mapping is None
 
     def _slot_for(self, lora_int_id: int, needed: list[int]) -> int:
         slot = self.slot_of.get(lora_int_id)

@@ -22,7 +22,8 @@ def build_cpu_stack(layers: list[DecoderLayer]):
     per-operation path must run: not CPU tensors, a dtype or a build the kernels lack, tensor
     parallelism (a row-parallel projection all-reduces between two operations), a
     mixture-of-experts or latent-attention layer (the stack runs dense MLPs and multi-head
-    attention only), or no KV cache bound yet."""
+    attention only), or no KV cache bound yet. Projections with LoRA slots (``layer.lora``)
+    give the stack their slot tensors, and the stack comes wrapped in a ``LoRADecoderStack``."""
     first = layers[0].self_attn
     if any(not hasattr(layer.self_attn, "qkv_proj") for layer in layers):  # MLA layers
         return None
@@ -74,4 +75,32 @@ def build_cpu_stack(layers: list[DecoderLayer]):
                 mlp.down_proj.weight_scale,
                 attn.qkv_proj.quantize_activations,
             )
-    return stack
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for index, projection in enumerate(projections):
+            if projection.lora is not None:
+                stack.set_lora(index, projection.lora.a, projection.lora.b)
+    lora = layers[0].self_attn.qkv_proj.lora
+    return stack if lora is None else LoRADecoderStack(stack, lora.step)
+
+
+class LoRADecoderStack:
+    """A compiled stack whose projections hold LoRA slots: each forward passes the step's
+    per-token adapter slots (``ember_worker.lora.layers.LoRAStepMapping``; none: the base
+    model alone), added by the per-row kernels or, for a step of many tokens per adapter (a
+    prefill), by one matmul per adapter: the choice ``LoRAMapping.runs_compiled`` makes for the
+    per-operation path, so that both give the same numbers."""
+
+    def __init__(self, stack, step) -> None:
+        self.stack = stack
+        self.step = step
+
+    def forward(self, hidden_states, *args):
+        mapping = self.step.mapping
+        if mapping is None:
+            return self.stack.forward(hidden_states, *args)
+        return self.stack.forward(
+            hidden_states,
+            *args,
+            lora_slots=mapping.slot_indices,
+            lora_grouped=not mapping.runs_compiled(hidden_states),
+        )

@@ -1,6 +1,8 @@
-"""LoRA adapters at tensor parallel size 2 (multiprocess executor, gloo): each rank holds its
-shard of every adapter (column-parallel layers cut B, row-parallel layers cut A and sum the
-shrink); greedy tokens equal transformers running the PEFT-merged model in float32."""
+"""LoRA adapters on several ranks (multiprocess executor, gloo), greedy tokens equal to
+transformers running the PEFT-merged model in float32: at tensor parallel size 2 each rank holds
+its shard of every adapter (column-parallel layers cut B, row-parallel layers cut A and sum the
+shrink); at pipeline parallel size 2 each stage holds its layers' part. (Data parallel engines
+run behind ``ember serve -dp``: packages/server/tests/test_http_lora.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,14 @@ PROMPTS = [[1, 40, 41, 42, 50, 60, 61], [7, 8, 9, 10, 11, 12], [3, 90, 17, 5]]
 
 
 @pytest.mark.slow
-def test_mixed_adapters_at_tp2_match_the_merged_models():
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param({"tensor_parallel_size": 2}, id="tp2"),
+        pytest.param({"pipeline_parallel_size": 2}, id="pp2"),
+    ],
+)
+def test_mixed_adapters_on_two_ranks_match_the_merged_models(parallel):
     base = tiny_model_path("llama")  # 4 query heads, 2 KV heads: both split over 2 ranks
     loras = [
         LoRARequest("all", 1, str(tiny_lora_path(base, seed=31, r=8, lora_alpha=16))),
@@ -33,7 +42,7 @@ def test_mixed_adapters_at_tp2_match_the_merged_models():
     llm = LLM(
         str(base),
         dtype="float32",
-        tensor_parallel_size=2,
+        **parallel,
         enable_lora=True,
         max_loras=2,
         max_lora_rank=8,
