@@ -14,6 +14,7 @@ from test_parity import BLOCK_SIZE, MAX_MODEL_LEN, NUM_PROMPTS, assert_matches_h
 from test_parity import greedy as parity_greedy
 from test_parity import run as run_to_completion
 from test_parity_gemma import BYTES_PER_BLOCK
+from test_parity_mamba_hybrid import KV_BYTES_PER_BLOCK, STATE_BYTES_PER_REQUEST
 
 from ember_kv_cache import HybridKVCacheManager, KVTransferConfig, LocalAttentionManager
 from ember_scheduler.config import SchedulerConfig
@@ -126,3 +127,15 @@ def test_windowed_mistral_greedy_parity_with_hits_from_the_cpu_tier(budget):
     assert hits > 0 and loaded == 64 + 32
     windowed.assert_equal_to_hf(first, output_len, len(prompts))
     windowed.assert_equal_to_hf(second, output_len, len(prompts))
+
+
+def test_a_mamba_hybrid_refuses_the_connector_by_name():
+    with pytest.raises(ValueError, match=r"kv_transfer_config.*state layers"):
+        make_engine(
+            tiny_model_path("bamba"),
+            num_blocks=64,
+            bytes_per_block=KV_BYTES_PER_BLOCK + NUM_PROMPTS * STATE_BYTES_PER_REQUEST // 64,
+            budget=512,
+            max_num_seqs=NUM_PROMPTS,
+            max_model_len=MAX_MODEL_LEN,
+        )

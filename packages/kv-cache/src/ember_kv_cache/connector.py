@@ -160,10 +160,11 @@ class TieredConnectorScheduler:
         found = self.store.contains_many(
             [group_chunk_hash(h, g) for h in hashes for g in range(num_groups)]
         )
+        # Each group's flag per block: its entry of the block's chunk is stored.
         held = np.zeros((num_groups, (last + 1) * per_chunk), dtype=bool)
-        for offset in range(len(hashes)):
-            blocks = slice((first + offset) * per_chunk, (first + offset + 1) * per_chunk)
-            held[:, blocks] = found[offset * num_groups : (offset + 1) * num_groups]
+        if hashes:
+            per_group = np.array(found, dtype=bool).reshape(len(hashes), num_groups).T
+            held[:, first * per_chunk : last * per_chunk] = per_group.repeat(per_chunk, axis=1)
         end_chunk = first
         for index in range(first + 1, last + 1):
             if self._holds(held, local_blocks, index * per_chunk):
