@@ -3,7 +3,8 @@ equal to transformers in float32.
 
 The local prefix cache is reset between the runs, so the second run's hits come from the tier: each KV group's
 chunks are saved by its own block table (a local group's earlier blocks may have left its window
-already) and a hit needs only the local layers' window tail.
+already) and a hit needs only the local layers' window tail. A fresh engine also loads from a
+disk tier another engine filled (the keys and the layout fingerprint carry the groups).
 """
 
 from __future__ import annotations
@@ -27,23 +28,30 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CHUNK = 2 * BLOCK_SIZE
 
 
-def transfer_config() -> KVTransferConfig:
+CPU_TIER = {"type": "cpu", "max_bytes": 1 << 28}
+
+
+def transfer_config(tier: dict) -> KVTransferConfig:
     return KVTransferConfig.from_dict(
         {
             "kv_connector": "TieredConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "chunk_size": CHUNK,
-                "tiers": [{"type": "cpu", "max_bytes": 1 << 28}],
-            },
+            "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [tier]},
         }
     )
 
 
 def make_engine(
-    path, *, num_blocks: int, bytes_per_block: int, budget: int, max_num_seqs: int, max_model_len
+    path,
+    *,
+    num_blocks: int,
+    bytes_per_block: int,
+    budget: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    tier: dict = CPU_TIER,
 ):
-    config = transfer_config()
+    config = transfer_config(tier)
     executor = InProcessExecutor(
         path,
         dtype="float32",
@@ -64,8 +72,8 @@ def make_engine(
     return EngineCore(executor, scheduler, executor.grammar_compiler, kv_transfer_config=config)
 
 
-def run(core: EngineCore, prompts, params_of, prefix: str) -> tuple[dict, int, int]:
-    """``run_to_completion``, also counting the CPU tier's hits and the tokens loaded."""
+def run(core: EngineCore, prompts, params_of, prefix: str, tier="cpu") -> tuple[dict, int, int]:
+    """``run_to_completion``, also counting the ``tier``'s hits and the tokens loaded."""
     counts = {"hits": 0, "loaded": 0}
     step = core.step
 
@@ -74,8 +82,8 @@ def run(core: EngineCore, prompts, params_of, prefix: str) -> tuple[dict, int, i
         stats = output.scheduler_stats
         if stats is not None and stats.kv_connector_stats is not None:
             counts["loaded"] += stats.kv_connector_stats.loaded_tokens
-            tier = stats.kv_connector_stats.tiers.get("cpu")
-            counts["hits"] += tier.hits if tier is not None else 0
+            tier_stats = stats.kv_connector_stats.tiers.get(tier)
+            counts["hits"] += tier_stats.hits if tier_stats is not None else 0
         return output
 
     assert core.kv_cache_manager.reset_prefix_cache()  # what remains is in the tier
@@ -105,6 +113,29 @@ def test_gemma_greedy_parity_with_hits_from_the_cpu_tier(arch, budget):
     assert hits > 0 and loaded > 0
     assert_matches_hf(arch, first)
     assert_matches_hf(arch, second)
+
+
+def test_a_fresh_gemma3_engine_loads_from_the_disk_tier_another_filled(tmp_path):
+    settings = dict(
+        num_blocks=512,
+        bytes_per_block=BYTES_PER_BLOCK,
+        budget=24,
+        max_num_seqs=NUM_PROMPTS,
+        max_model_len=MAX_MODEL_LEN,
+        tier={"type": "disk", "path": str(tmp_path), "max_bytes": 1 << 28},
+    )
+    first, _, _ = run(
+        make_engine(tiny_model_path("gemma3_text"), **settings),
+        parity_prompts(),
+        parity_greedy,
+        "a-",
+        "disk",
+    )
+    fresh = make_engine(tiny_model_path("gemma3_text"), **settings)
+    second, hits, loaded = run(fresh, parity_prompts(), parity_greedy, "b-", "disk")
+    assert hits > 0 and loaded > 0
+    assert_matches_hf("gemma3_text", first)
+    assert_matches_hf("gemma3_text", second)
 
 
 @pytest.mark.parametrize("budget", [windowed.BUDGET, 512])
