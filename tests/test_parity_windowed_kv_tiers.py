@@ -20,6 +20,7 @@ from test_parity_mamba_hybrid import KV_BYTES_PER_BLOCK, STATE_BYTES_PER_REQUEST
 from ember_kv_cache import HybridKVCacheManager, KVTransferConfig, LocalAttentionManager
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
+from ember_spec_decode import SpeculativeConfig
 from ember_testing.tiny_models import HYBRID_ARCHITECTURES, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
@@ -170,3 +171,30 @@ def test_a_mamba_hybrid_refuses_the_connector_by_name():
             max_num_seqs=NUM_PROMPTS,
             max_model_len=MAX_MODEL_LEN,
         )
+
+
+def test_a_window_model_with_speculative_decoding_refuses_the_connector_by_name():
+    config = transfer_config(CPU_TIER)
+    drafts = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3)
+    executor = InProcessExecutor(
+        windowed.model_path(windowed.WINDOWED),
+        dtype="float32",
+        max_model_len=windowed.MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=64 * windowed.bytes_per_block(windowed.WINDOWED),
+        seed=0,
+        speculative_config=drafts,
+        kv_transfer_config=config,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=windowed.MAX_MODEL_LEN,
+        enable_prefix_caching=True,
+        num_lookahead_tokens=drafts.num_lookahead_tokens,
+        num_speculative_tokens=drafts.num_speculative_tokens,
+    )
+    with pytest.raises(ValueError, match=r"kv_transfer_config.*speculative decoding"):
+        EngineCore(executor, scheduler, executor.grammar_compiler, kv_transfer_config=config)
