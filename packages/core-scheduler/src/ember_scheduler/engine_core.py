@@ -128,7 +128,9 @@ class EngineCore:
                     f"prefix_caching_hash_algo {hasher.algo!r} differs from the one that keys the "
                     f"executor's KV tier store ({store.fingerprint.hash_algo!r}); give both the same"
                 )
-            connector = TieredConnectorScheduler(kv_transfer_config, store, hasher)
+            connector = TieredConnectorScheduler(
+                kv_transfer_config, store, hasher, self.kv_cache_manager.specs
+            )
         self.scheduler = Scheduler(config, self.kv_cache_manager, grammar_compiler, connector)
         # Steps handed to the executor whose outputs are not applied yet (async scheduling).
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] | None = (

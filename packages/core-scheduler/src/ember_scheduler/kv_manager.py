@@ -11,6 +11,7 @@ from ember_kv_cache import (
     SlidingWindowSpec,
     group_layers_evenly,
 )
+from ember_kv_cache.group_chunks import check_connector_specs
 from ember_scheduler.config import SchedulerConfig
 
 
@@ -22,7 +23,7 @@ def make_kv_cache_manager(
     full attention, a ``LocalAttentionManager`` for one group with a sliding window or local
     chunk (it frees the blocks that left it), and a ``HybridKVCacheManager`` for several groups
     (Gemma's local and global layers), its tables interleaved into the one block-table row per
-    request that the worker keeps."""
+    request that the worker keeps. A KV connector serves every kind but state groups (Mamba)."""
     specs = getattr(executor, "kv_cache_specs", None) or [FullAttentionSpec()]
     drafts = config.num_speculative_tokens
     if drafts:
@@ -36,11 +37,14 @@ def make_kv_cache_manager(
         enable_kv_events=config.enable_kv_events,
     )
     spec = groups[0].spec
-    if (len(groups) > 1 or not isinstance(spec, FullAttentionSpec)) and kv_transfer_config:
-        raise ValueError(
-            "kv_transfer_config: the KV connector serves full-attention models only; this "
-            f"model's layers keep {sorted({str(g.spec) for g in groups})}"
-        )
+    if kv_transfer_config:
+        check_connector_specs([group.spec for group in groups])
+        if drafts and (len(groups) > 1 or not isinstance(spec, FullAttentionSpec)):
+            # The worker checks loaded windows against the model's specs, not widened ones.
+            raise ValueError(
+                "kv_transfer_config: the KV connector serves a sliding-window model without "
+                "speculative decoding only"
+            )
     if len(groups) > 1:
         return HybridKVCacheManager(
             executor.num_kv_blocks,

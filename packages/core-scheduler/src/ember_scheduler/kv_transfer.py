@@ -55,7 +55,7 @@ class KVTransferScheduling:
         )
         if new_block_ids is None:
             return None
-        self.connector.update_state_after_alloc(req_id, kv.get_block_ids(req_id), num_external)
+        self.connector.update_state_after_alloc(req_id, self.group_block_ids(req_id), num_external)
         request.set_status(RequestStatus.WAITING_FOR_REMOTE_KVS)
         self.loading[req_id] = request
         return True
@@ -95,7 +95,7 @@ class KVTransferScheduling:
                 for r in scheduled
                 if r.request_id in num_scheduled_tokens
             ),
-            self.kv_cache_manager.get_block_ids,
+            self.group_block_ids,
         )
 
     def request_finished(self, request: Request) -> None:
@@ -110,12 +110,19 @@ class KVTransferScheduling:
             req_id,
             request.prompt_token_ids,
             request.num_computed_tokens,
-            self.kv_cache_manager.get_block_ids(req_id),
+            self.group_block_ids(req_id),
         )
         if delay:
             self.saving.add(req_id)
         else:
             self.kv_cache_manager.free(req_id)
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each KV group (one group for a plain manager)."""
+        kv = self.kv_cache_manager
+        if hasattr(kv, "get_group_block_ids"):
+            return kv.get_group_block_ids(request_id)
+        return (kv.get_block_ids(request_id),)
 
     def has_transfers(self) -> bool:
         """Whether requests wait for a load, or finished ones for a save."""

@@ -14,6 +14,10 @@ before it is written. Saves are of whole computed chunks, in the step that compl
 a request finishes, the whole blocks of its last, partial chunk are saved too (its blocks are
 freed once the worker reports that save), keyed by the chain hash of their last block, and a
 lookup tries that partial key where the whole chunks stop.
+
+A model with several layer groups (or one sliding-window group) stores one entry per group and
+chunk, moved by that group's own block table (``group_chunks``): a local group saves the blocks
+it still holds and a hit needs only its window's tail.
 """
 
 from __future__ import annotations
@@ -21,87 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ember_kv_cache.group_chunks import check_connector_specs, group_chunk_hash, group_hit_holds
 from ember_kv_cache.hashing import BlockHasher, BlockHashExtras
-from ember_kv_cache.tier_entry import LayoutFingerprint
+from ember_kv_cache.specs import KVCacheSpec
 from ember_kv_cache.tier_store import TieredKVStore, TierStats
-from ember_kv_cache.tiers import check_tier_spec, make_tier
-
-KV_CONNECTORS = ("TieredConnector",)
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """``kv_transfer_config`` as vLLM spells it: ``{"kv_connector": "TieredConnector",
-    "kv_role": "kv_both", "kv_connector_extra_config": {"chunk_size": 256, "tiers": [...]}}``.
-
-    A ``kv_producer`` saves the KV it computes, a ``kv_consumer`` loads what it finds, and
-    ``kv_both`` does both. ``chunk_size`` (tokens, a multiple of the block size) is the unit of
-    storage; ``tiers`` are tier configurations in lookup order (see ``make_tier``).
-    """
-
-    kv_connector: str
-    kv_role: str
-    chunk_size: int
-    tiers: tuple[dict, ...]
-
-    @classmethod
-    def from_dict(cls, config: dict) -> KVTransferConfig:
-        """Validate ``config``; a ValueError names the field that is wrong."""
-        if not isinstance(config, dict):
-            raise ValueError(f"kv_transfer_config must be a dict, got {type(config).__name__}")
-        unknown = set(config) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}")
-        connector = config.get("kv_connector")
-        if connector not in KV_CONNECTORS:
-            raise ValueError(
-                f"kv_transfer_config.kv_connector must be one of {KV_CONNECTORS}, got {connector!r}"
-            )
-        role = config.get("kv_role")
-        if role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {role!r}")
-        extra = config.get("kv_connector_extra_config", {})
-        if not isinstance(extra, dict):
-            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict")
-        unknown = set(extra) - {"chunk_size", "tiers"}
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
-        chunk_size = extra.get("chunk_size", 256)
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-            raise ValueError(
-                f"kv_connector_extra_config.chunk_size must be a positive int, got {chunk_size!r}"
-            )
-        tiers = extra.get("tiers")
-        if not isinstance(tiers, list) or not tiers:
-            raise ValueError("kv_connector_extra_config.tiers must be a non-empty list of tiers")
-        for tier in tiers:
-            check_tier_spec(tier)
-        return cls(connector, role, chunk_size, tuple(dict(t) for t in tiers))
-
-    def as_dict(self) -> dict:
-        """The dict ``from_dict`` reads back (to hand the config to another process)."""
-        return {
-            "kv_connector": self.kv_connector,
-            "kv_role": self.kv_role,
-            "kv_connector_extra_config": {
-                "chunk_size": self.chunk_size,
-                "tiers": [dict(tier) for tier in self.tiers],
-            },
-        }
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-    def make_store(self, fingerprint: LayoutFingerprint) -> TieredKVStore:
-        if fingerprint.chunk_size != self.chunk_size:
-            raise ValueError("the fingerprint's chunk_size differs from the config's")
-        return TieredKVStore([make_tier(spec) for spec in self.tiers], fingerprint)
+from ember_kv_cache.transfer_config import KV_CONNECTORS, KV_ROLES, KVTransferConfig  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -109,10 +39,12 @@ class ChunkTransfer:
     """Chunks of one request to move between its blocks and the store.
 
     Chunk ``first_chunk + i`` covers tokens ``[(first_chunk + i) * chunk_size, ...)`` and is
-    stored under ``chunk_hashes[i]``; ``block_ids`` is the request's block table. A load skips
-    the first ``skip_tokens`` tokens of its first chunk (already in the request's blocks). With
-    ``partial_blocks``, the last chunk is a partial one: a save stores that many blocks of it, a
-    load uses that many blocks of the stored entry (which may hold more).
+    stored under ``chunk_hashes[i]`` (``b""``: not moved); ``block_ids`` is the block table of
+    the request's KV group ``group``. A load skips the first ``skip_tokens`` tokens of its first
+    chunk (already in the request's blocks), a save those of its chunk (they left the group's
+    window: the entry holds the chunk's tail). With ``partial_blocks``, the last chunk is a
+    partial one: a save stores that many blocks of it, a load uses that many blocks of the stored
+    entry, which covers the chunk's first ``stored_blocks``.
     """
 
     request_id: str
@@ -121,6 +53,8 @@ class ChunkTransfer:
     block_ids: list[int]
     skip_tokens: int = 0
     partial_blocks: int = 0
+    group: int = 0
+    stored_blocks: int = 0
 
 
 @dataclass
@@ -172,9 +106,17 @@ class TieredConnectorScheduler:
 
     ``hasher`` must be the engine's prefix-cache hasher (same block size, algorithm and seed):
     chunk keys are its chain hashes, so any engine with the same hasher and layout finds them.
+    ``group_specs`` are the KV cache manager's groups (default: one of full attention); block
+    tables come as one list per group (a plain list: one group).
     """
 
-    def __init__(self, config: KVTransferConfig, store: TieredKVStore, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        store: TieredKVStore,
+        hasher: BlockHasher,
+        group_specs: Sequence[KVCacheSpec] = (),
+    ) -> None:
         if config.chunk_size % hasher.block_size:
             raise ValueError(
                 f"kv_connector_extra_config.chunk_size ({config.chunk_size}) must be a multiple "
@@ -183,6 +125,7 @@ class TieredConnectorScheduler:
         self.config = config
         self.store = store
         self.hasher = hasher
+        self.group_specs = check_connector_specs(group_specs)
         self.chunk_size = config.chunk_size
         self._blocks_per_chunk = config.chunk_size // hasher.block_size
         self._requests: dict[str, _RequestChunks] = {}
@@ -202,53 +145,80 @@ class TieredConnectorScheduler:
         """Tokens past ``num_computed_tokens`` (the local prefix hit) that the store can
         provide, in whole chunks and then the whole blocks of one partial chunk, leaving at
         least one token to compute, and whether they load asynchronously (always, here).
-        Starts the request's connector state."""
+        Every group must hold what its next query reads there (a local group: its window's
+        tail). Starts the request's connector state."""
         state = _RequestChunks(extras, num_computed_tokens // self.chunk_size)
         self._requests[request_id] = state
         if not self.config.is_consumer:
             return 0, False
-        size = self.chunk_size
+        size, per_chunk = self.chunk_size, self._blocks_per_chunk
+        num_groups = len(self.group_specs)
         first = num_computed_tokens // size
-        hashes = []
-        for index in range(first, (len(token_ids) - 1) // size):
-            chunk_hash = self._chunk_hash(state, token_ids, index)
-            if not self.store.contains(chunk_hash):
-                break
-            hashes.append(chunk_hash)
-        end_chunk = first + len(hashes)
-        partial_hash, partial_blocks = self._find_partial(state, token_ids, end_chunk)
-        if partial_blocks:
-            hashes.append(partial_hash)
-        matched_end = end_chunk * size + partial_blocks * self.hasher.block_size
-        num_matched = max(0, matched_end - num_computed_tokens)
+        local_blocks = num_computed_tokens // self.hasher.block_size
+        last = max(first, (len(token_ids) - 1) // size)
+        hashes = [self._chunk_hash(state, token_ids, i) for i in range(first, last)]
+        found = self.store.contains_many(
+            [group_chunk_hash(h, g) for h in hashes for g in range(num_groups)]
+        )
+        # Each group's flag per block: its entry of the block's chunk is stored.
+        held = np.zeros((num_groups, (last + 1) * per_chunk), dtype=bool)
+        if hashes:
+            per_group = np.array(found, dtype=bool).reshape(len(hashes), num_groups).T
+            held[:, first * per_chunk : last * per_chunk] = per_group.repeat(per_chunk, axis=1)
+        end_chunk = first
+        for index in range(first + 1, last + 1):
+            if self._holds(held, local_blocks, index * per_chunk):
+                end_chunk = index
+        partial_hash, partial_blocks, stored = self._find_partial(
+            state, token_ids, end_chunk, held, local_blocks
+        )
+        end_block = end_chunk * per_chunk + partial_blocks
+        num_matched = max(0, end_block * self.hasher.block_size - num_computed_tokens)
         self._stats.lookup_tokens += len(token_ids) - num_computed_tokens
         self._stats.matched_tokens += num_matched
         if num_matched:
+            plans = []
+            for group, spec in enumerate(self.group_specs):
+                # A local group reads its window's tail only: the chunks before it stay put.
+                skipped = spec.num_skipped_tokens(end_block * self.hasher.block_size)
+                first_needed = max(local_blocks, skipped // self.hasher.block_size) // per_chunk
+                keys = hashes[: end_chunk - first] + ([partial_hash] if partial_blocks else [])
+                plans.append(
+                    [
+                        group_chunk_hash(key, group) if first + i >= first_needed else b""
+                        for i, key in enumerate(keys)
+                    ]
+                )
             skip = num_computed_tokens - first * size
-            state.pending_load = (first, hashes, skip, partial_blocks)
+            state.pending_load = (first, plans, skip, partial_blocks, stored)
         return num_matched, num_matched > 0
 
     def update_state_after_alloc(
-        self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
+        self, request_id: str, block_ids: Sequence, num_external_tokens: int
     ) -> None:
-        """The request now holds ``block_ids``; with external tokens, queue their load."""
+        """The request now holds ``block_ids`` (one table per group); with external tokens,
+        queue their load."""
         state = self._requests[request_id]
         if num_external_tokens and state.pending_load is not None:
-            first, hashes, skip, partial_blocks = state.pending_load
-            self._loads.append(
-                ChunkTransfer(request_id, first, hashes, list(block_ids), skip, partial_blocks)
-            )
-            state.next_save_chunk = first + len(hashes) - (partial_blocks > 0)
+            first, plans, skip, partial_blocks, stored = state.pending_load
+            for group, (hashes, table) in enumerate(zip(plans, _tables(block_ids), strict=True)):
+                self._loads.append(
+                    ChunkTransfer(
+                        request_id, first, hashes, list(table), skip, partial_blocks, group, stored
+                    )
+                )
+            state.next_save_chunk = first + len(plans[0]) - (partial_blocks > 0)
         state.pending_load = None
 
     def build_connector_meta(
         self,
         scheduled: Iterable[tuple[str, Sequence[int], int]],
-        block_ids_of: Callable[[str], Sequence[int]],
+        block_ids_of: Callable[[str], Sequence],
     ) -> KVConnectorMetadata:
         """This step's metadata: the loads queued since the last step, and saves of the chunks
         that ``scheduled`` completes. Each entry is ``(request_id, token_ids,
-        num_computed_tokens after this step)``; ``block_ids_of`` gives a request's block table."""
+        num_computed_tokens after this step)``; ``block_ids_of`` gives a request's block tables
+        (one per group)."""
         meta = KVConnectorMetadata(
             loads=self._loads,
             writes=self._writes,
@@ -268,11 +238,35 @@ class TieredConnectorScheduler:
                 continue
             first = state.next_save_chunk
             hashes = [self._chunk_hash(state, token_ids, i) for i in range(first, end)]
-            meta.saves.append(
-                ChunkTransfer(request_id, first, hashes, list(block_ids_of(request_id)))
-            )
+            for group, table in enumerate(_tables(block_ids_of(request_id))):
+                meta.saves.extend(self._group_saves(request_id, group, first, hashes, table))
             state.next_save_chunk = end
         return meta
+
+    def _group_saves(
+        self, request_id: str, group: int, first: int, hashes: list[bytes], table: Sequence[int]
+    ) -> list[ChunkTransfer]:
+        """Saves of one group's chunks ``first, ...``: a chunk some of whose leading blocks left
+        the window (the null block 0 holds their place) alone, with what it still holds; the
+        whole ones after it together."""
+        per_chunk = self._blocks_per_chunk
+        table = list(table)
+        saves = []
+        index = first
+        while index < first + len(hashes):
+            blocks = table[index * per_chunk : (index + 1) * per_chunk]
+            freed = next((n for n, block_id in enumerate(blocks) if block_id), per_chunk)
+            if not freed:
+                break
+            if freed < per_chunk:
+                key = group_chunk_hash(hashes[index - first], group)
+                skip = freed * self.hasher.block_size
+                saves.append(ChunkTransfer(request_id, index, [key], table, skip, group=group))
+            index += 1
+        rest = [group_chunk_hash(h, group) for h in hashes[index - first :]]
+        if rest:
+            saves.append(ChunkTransfer(request_id, index, rest, table, group=group))
+        return saves
 
     def update_connector_output(
         self, output: KVConnectorOutput | None
@@ -290,13 +284,14 @@ class TieredConnectorScheduler:
         request_id: str,
         token_ids: Sequence[int] | None = None,
         num_computed_tokens: int = 0,
-        block_ids: Sequence[int] = (),
+        block_ids: Sequence = (),
     ) -> tuple[bool, dict | None]:
         """Forget the request (a fetched load not yet written is dropped). Given its prompt
-        (``token_ids``), computed tokens and blocks (a request that ended normally), a producer
-        saves the whole blocks of the prompt's last, partial chunk, unless stored already: the
-        key a later identical or longer prompt looks up. Returns (delay freeing its blocks until
-        the worker reports that save in ``finished_saving``, transfer params)."""
+        (``token_ids``), computed tokens and blocks (a request that ended normally, one table
+        per group), a producer saves the whole blocks of the prompt's last, partial chunk,
+        unless stored already (or a group no longer holds any of them): the key a later
+        identical or longer prompt looks up. Returns (delay freeing its blocks until the worker
+        reports that save in ``finished_saving``, transfer params)."""
         state = self._requests.pop(request_id, None)
         if request_id in self._writes:
             self._writes.remove(request_id)
@@ -308,11 +303,31 @@ class TieredConnectorScheduler:
         if not partial_blocks:
             return False, None
         key = self._block_hash(state, token_ids, num_blocks - 1)
-        if self.store.contains(key):
+        groups = range(len(self.group_specs))
+        keys = [group_chunk_hash(key, group) for group in groups]
+        if all(self.store.contains_many(keys)):
             return False, None
-        self._finish_saves.append(
-            ChunkTransfer(request_id, index, [key], list(block_ids), partial_blocks=partial_blocks)
-        )
+        saves = []
+        start = index * self._blocks_per_chunk
+        for group, table in zip(groups, _tables(block_ids), strict=True):
+            blocks = list(table[start : start + partial_blocks])
+            freed = next((n for n, block_id in enumerate(blocks) if block_id), partial_blocks)
+            if freed == partial_blocks:
+                return False, None  # this group keeps none of them: no hit could use the rest
+            skip = freed * self.hasher.block_size
+            saves.append(
+                ChunkTransfer(
+                    request_id,
+                    index,
+                    [keys[group]],
+                    list(table),
+                    skip,
+                    partial_blocks,
+                    group,
+                    partial_blocks,
+                )
+            )
+        self._finish_saves.extend(saves)
         return True, None
 
     def record_loaded(self, num_tokens: int) -> None:
@@ -324,26 +339,48 @@ class TieredConnectorScheduler:
         self._stats = KVConnectorStats()
         return stats
 
+    def _holds(self, held: np.ndarray, local_blocks: int, end_block: int) -> bool:
+        return group_hit_holds(
+            self.group_specs, self.hasher.block_size, held, local_blocks, end_block
+        )
+
     def _find_partial(
-        self, state: _RequestChunks, token_ids: Sequence[int], index: int
-    ) -> tuple[bytes, int]:
-        """The key of the longest stored partial chunk ``index`` that the prompt's whole blocks
-        name, and how many of its blocks the prompt can take (leaving one token to compute);
-        ``(b"", 0)`` when there is none."""
+        self,
+        state: _RequestChunks,
+        token_ids: Sequence[int],
+        index: int,
+        held: np.ndarray,
+        local_blocks: int,
+    ) -> tuple[bytes, int, int]:
+        """The key of the longest partial chunk ``index`` that every group stores, that the
+        prompt's whole blocks name and that a hit can end in; how many of its blocks the prompt
+        can take (leaving one token to compute) and how many it covers; ``(b"", 0, 0)`` when
+        there is none."""
         first_block = index * self._blocks_per_chunk
         block_size = self.hasher.block_size
         usable = (len(token_ids) - 1) // block_size - first_block
         if usable <= 0:
-            return b"", 0
+            return b"", 0, 0
         longest = min(self._blocks_per_chunk - 1, len(token_ids) // block_size - first_block)
         keys = [
             self._block_hash(state, token_ids, first_block + n - 1) for n in range(1, longest + 1)
         ]
-        found = self.store.contains_many(keys)  # one round trip, not one per candidate
+        num_groups = len(self.group_specs)
+        # One round trip, not one per candidate.
+        found = self.store.contains_many(
+            [group_chunk_hash(key, g) for key in keys for g in range(num_groups)]
+        )
+        held = held.copy()
+        held[:, first_block:] = False
         for num_blocks in range(longest, 0, -1):
-            if found[num_blocks - 1]:
-                return keys[num_blocks - 1], min(num_blocks, usable)
-        return b"", 0
+            if not all(found[(num_blocks - 1) * num_groups : num_blocks * num_groups]):
+                continue
+            use = min(num_blocks, usable)
+            held[:, first_block : first_block + num_blocks] = True
+            if self._holds(held, local_blocks, first_block + use):
+                return keys[num_blocks - 1], use, num_blocks
+            held[:, first_block:] = False
+        return b"", 0, 0
 
     def _chunk_hash(self, state: _RequestChunks, token_ids: Sequence[int], index: int) -> bytes:
         """The chain hash of chunk ``index``'s last block."""
@@ -364,3 +401,10 @@ class TieredConnectorScheduler:
             )
             hashes.append(parent)
         return hashes[last_block]
+
+
+def _tables(block_ids: Sequence) -> tuple[Sequence[int], ...]:
+    """Block tables as one per group (a plain list of ids is one group's)."""
+    if block_ids and not isinstance(block_ids[0], (list, tuple)):
+        return (block_ids,)
+    return tuple(block_ids) or ((),)

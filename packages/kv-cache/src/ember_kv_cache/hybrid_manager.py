@@ -56,7 +56,8 @@ class HybridKVCacheManager:
     blocks of the same tokens hold different layers' KV, so their cache keys must differ (group
     0 hashes as a plain ``KVCacheManager``). A prefix hit is the longest that every group can
     continue from (a local group needs only its window's tail, a state group none: with one, hits
-    are off). ``reuse_partial_blocks`` and the KV connector are for full attention alone.
+    are off). ``reuse_partial_blocks`` is for full attention alone; a KV connector moves each
+    group's blocks by ``get_group_block_ids`` (not with a state group).
 
     With ``interleave_block_ids`` the tables come as one list for an engine that stores one
     block-table row per request: first the one block of each state group (in group order), then
@@ -198,6 +199,7 @@ class HybridKVCacheManager:
         computed: HybridComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         extras: BlockHashExtras | None = None,
+        delay_cache_blocks: bool = False,
     ) -> tuple[list[int], ...] | None:
         """``KVCacheManager.allocate_slots`` in every group: the new block ids per group, or
         None when the pool cannot serve them all (nothing allocated; blocks that left a window
@@ -236,6 +238,7 @@ class HybridKVCacheManager:
                 computed=hit,
                 num_lookahead_tokens=num_lookahead_tokens,
                 extras=extras,
+                delay_cache_blocks=delay_cache_blocks,
             )
             for group, hit in zip(self.groups, per_group)
         )
@@ -254,6 +257,10 @@ class HybridKVCacheManager:
         ``interleave_block_ids``)."""
         tables = tuple(group.get_block_ids(request_id) for group in self.groups)
         return self._row(tables) if self.interleave_block_ids else tables
+
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """A copy of the request's block table in each group, never interleaved."""
+        return tuple(group.get_block_ids(request_id) for group in self.groups)
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         return 0

@@ -53,6 +53,10 @@ class LayoutFingerprint:
     a value (``[block_size, num_kv_heads, head_size]`` each), 1 for a cache read as both, such
     as multi-head latent attention's one latent "head" of ``kv_lora_rank + qk_rope_head_dim``
     values per token. A stored chunk is an array of ``chunk_shape``.
+
+    ``kv_groups`` names the layer groups' specs where they are not one group of full attention
+    (``group_chunks.describe_groups``): then ``num_layers`` are one group's, the layers that
+    share a block, and each group stores its own entry per chunk.
     """
 
     model: str
@@ -66,6 +70,7 @@ class LayoutFingerprint:
     hash_algo: str = DEFAULT_HASH_ALGO
     first_layer: int = 0
     tensors_per_layer: int = 2
+    kv_groups: str = ""
     # Set from the fields above: two fingerprints match iff their digests do.
     digest: str = field(default="", init=False, repr=False)
 
@@ -87,6 +92,8 @@ class LayoutFingerprint:
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
                 f"({self.block_size})"
             )
+        if not isinstance(self.kv_groups, str):
+            raise ValueError(f"LayoutFingerprint.kv_groups must be a str, got {self.kv_groups!r}")
         if self.tensors_per_layer not in (1, 2):
             raise ValueError(
                 f"LayoutFingerprint.tensors_per_layer must be 1 or 2, got {self.tensors_per_layer!r}"
@@ -98,6 +105,8 @@ class LayoutFingerprint:
             del fields["first_layer"]
         if self.tensors_per_layer == 2:
             del fields["tensors_per_layer"]
+        if not self.kv_groups:
+            del fields["kv_groups"]
         canonical = json.dumps(fields, sort_keys=True).encode()
         object.__setattr__(self, "digest", hashlib.blake2b(canonical, digest_size=16).hexdigest())
 

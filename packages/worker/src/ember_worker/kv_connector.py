@@ -11,6 +11,11 @@ store, so the blocks may be reused next step); ``get_finished`` (the fetches tha
 ``clear_connector_metadata``. A chunk is an array ``[layers, tensors_per_layer, chunk_size,
 num_kv_heads, head_size]`` (``LayoutFingerprint.chunk_shape``: key and value, or MLA's latent
 once) in the cache dtype (bfloat16 travels as int16 bits).
+
+With several KV groups (Gemma's local and global layers) layer ``j`` of every group shares
+cache tensor ``j`` (``ember_worker.kv_specs``), so a chunk of group ``g`` is those tensors at
+``g``'s blocks, ``[layers_per_group, ...]``; each group's entry is its own
+(``ember_kv_cache.group_chunks``), and a local group's holds the tail it still kept.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import logging
 import pathlib
 import warnings
+from collections.abc import Sequence
 from concurrent import futures
 from typing import NamedTuple
 
@@ -27,12 +33,15 @@ import torch
 
 from ember_kv_cache import (
     ChunkTransfer,
+    FullAttentionSpec,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVTransferConfig,
     LayoutFingerprint,
     TieredKVStore,
 )
+from ember_kv_cache.group_chunks import describe_groups, group_hit_holds
+from ember_kv_cache.specs import KVCacheSpec as LayerSpec
 from ember_worker.kv_cache import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -63,9 +72,10 @@ def layout_fingerprint(
     hash_algo: str,
     tp_rank: int,
     first_layer: int = 0,
+    group_specs: Sequence[LayerSpec] = (),
 ) -> LayoutFingerprint:
     """The fingerprint of a shard: ``spec``'s layers from ``first_layer`` on (its pipeline
-    stage's) and ``tp_rank``'s KV heads."""
+    stage's), ``tp_rank``'s KV heads, and its KV groups' specs."""
     return LayoutFingerprint(
         model=model_identity(model_path),
         dtype=str(spec.dtype).removeprefix("torch."),
@@ -78,6 +88,7 @@ def layout_fingerprint(
         hash_algo=hash_algo,
         first_layer=first_layer,
         tensors_per_layer=spec.tensors_per_layer,
+        kv_groups=describe_groups(group_specs or (FullAttentionSpec(),)),
     )
 
 
@@ -88,11 +99,26 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 class TieredConnectorWorker:
-    """Moves KV chunks between this worker's paged cache and a ``TieredKVStore``."""
+    """Moves KV chunks between this worker's paged cache and a ``TieredKVStore``.
 
-    def __init__(self, store: TieredKVStore, spec: KVCacheSpec, chunk_size: int) -> None:
+    ``group_specs`` are the KV groups' specs; ``layer_positions`` the cache tensor of each
+    attention layer (default: layer ``i`` on tensor ``i``)."""
+
+    def __init__(
+        self,
+        store: TieredKVStore,
+        spec: KVCacheSpec,
+        chunk_size: int,
+        group_specs: Sequence[LayerSpec] = (),
+        layer_positions: Sequence[int] | None = None,
+    ) -> None:
         self.store = store
         self.spec = spec
+        self.group_specs = tuple(group_specs) or (FullAttentionSpec(),)
+        self.layer_positions = list(layer_positions or range(spec.num_layers))
+        # A tensor's completed chunks are copied out once the last layer on it has written.
+        last_user = {position: layer for layer, position in enumerate(self.layer_positions)}
+        self._copy_after = {layer: position for position, layer in last_user.items()}
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // spec.block_size
         # 2: key and value; 1: one cache read as both (MLA's latent), stored once.
@@ -129,8 +155,11 @@ class TieredConnectorWorker:
         """Start this step's fetches, drop the discarded, and queue the writes of the fetched
         requests this step expects in their blocks, one copy task per layer in layer order."""
         meta = self._metadata
+        loads: dict[str, list[ChunkTransfer]] = {}
         for transfer in meta.loads:
-            self._fetches[transfer.request_id] = self._fetcher.submit(self._fetch, transfer)
+            loads.setdefault(transfer.request_id, []).append(transfer)
+        for req_id, transfers in loads.items():
+            self._fetches[req_id] = self._fetcher.submit(self._fetch, transfers)
         for req_id in meta.discards:
             self._fetched.pop(req_id, None)
         chunks = [chunk for req_id in meta.writes for chunk in self._fetched.pop(req_id, ())]
@@ -140,21 +169,26 @@ class TieredConnectorWorker:
                 for layer in range(len(self.kv_caches))
             ]
         if meta.saves:
+            block_size = self.spec.block_size
             self._save_buffers = [
-                self._new_buffer(len(t.chunk_hashes), t.partial_blocks or self.blocks_per_chunk)
+                self._new_buffer(
+                    len(t.chunk_hashes),
+                    (t.partial_blocks or self.blocks_per_chunk) - t.skip_tokens // block_size,
+                )
                 for t in meta.saves
             ]
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Block until this step's writes of layer ``layer`` are in the paged cache."""
         if self._layer_writes:
-            self._layer_writes[layer].result()
+            self._layer_writes[self.layer_positions[layer]].result()
 
     def save_kv_layer(self, layer: int) -> None:
         """Copy layer ``layer`` of this step's completed chunks out of the paged cache (on the
         save thread; called right after the layer wrote this step's keys and values)."""
-        if self._save_buffers:
-            self._layer_saves.append(self._saver.submit(self._copy_out_layer, layer))
+        position = self._copy_after.get(layer)
+        if self._save_buffers and position is not None:
+            self._layer_saves.append(self._saver.submit(self._copy_out_layer, position))
 
     def wait_for_save(self) -> None:
         """Put this step's saved chunks into the store (the paged blocks are free to reuse)."""
@@ -193,11 +227,13 @@ class TieredConnectorWorker:
             write.result()
         if self._metadata.saves:
             if not self._layer_saves:  # no forward ran: nothing new was computed, but copy out
-                for layer in range(len(self.kv_caches)):
-                    self.save_kv_layer(layer)
+                for position in range(len(self.kv_caches)):
+                    self._layer_saves.append(self._saver.submit(self._copy_out_layer, position))
             self.wait_for_save()
         output = self.get_finished(wait=idle)
-        output.finished_saving = [t.request_id for t in self._metadata.saves if t.partial_blocks]
+        # One per request, though each of its groups saved its own part.
+        saved = (t.request_id for t in self._metadata.saves if t.partial_blocks)
+        output.finished_saving = list(dict.fromkeys(saved))
         self.clear_connector_metadata()
         return output
 
@@ -219,6 +255,7 @@ class TieredConnectorWorker:
         per_chunk = self.blocks_per_chunk
         start = transfer.first_chunk * per_chunk
         end = start + (transfer.partial_blocks or len(transfer.chunk_hashes) * per_chunk)
+        start += transfer.skip_tokens // self.spec.block_size  # left the window: not held
         return torch.tensor(transfer.block_ids[start:end], dtype=torch.long, device=device)
 
     @torch.inference_mode()  # the runner's tensors are inference tensors; threads start outside
@@ -231,53 +268,64 @@ class TieredConnectorWorker:
             if self.parts == 2:
                 buffer[:, layer, 1] = value_cache.index_select(0, blocks).view(-1, *shape).cpu()
 
-    def _fetch(self, transfer: ChunkTransfer) -> tuple[int, list[_FetchedChunk]]:
-        """Read and check the transfer's chunks, in order, up to the first that is missing or
-        damaged; returns the request's tokens in place once they are written, and the chunks."""
-        spec = self.spec
-        size = self.chunk_size
-        in_place = transfer.first_chunk * size + transfer.skip_tokens
+    def _fetch(self, transfers: list[ChunkTransfer]) -> tuple[int, list[_FetchedChunk]]:
+        """Read and check a request's chunks (one transfer per KV group), each group up to its
+        first that is missing or damaged; returns the request's tokens in place once they are
+        written (the longest prefix every group can continue from), and the chunks."""
+        block_size = self.spec.block_size
         per_chunk = self.blocks_per_chunk
-        last = len(transfer.chunk_hashes) - 1
+        head = transfers[0]
+        local_blocks = (head.first_chunk * self.chunk_size + head.skip_tokens) // block_size
+        last = len(head.chunk_hashes) - 1
+        ends = [(head.first_chunk + i + 1) * per_chunk for i in range(last + 1)]
+        if head.partial_blocks:
+            ends[-1] += head.partial_blocks - per_chunk
+        held = np.zeros((len(self.group_specs), ends[-1]), dtype=bool)
         fetched = []
         try:
-            for offset, chunk_hash in enumerate(transfer.chunk_hashes):
-                num_blocks = per_chunk
-                if offset == last and transfer.partial_blocks:
-                    num_blocks = transfer.partial_blocks
-                chunk = self.store.get(chunk_hash)
-                if not self._holds(chunk, num_blocks, partial=num_blocks < per_chunk):
-                    break
-                index = transfer.first_chunk + offset
-                skip_blocks = transfer.skip_tokens // spec.block_size if offset == 0 else 0
-                start = index * per_chunk
-                block_ids = transfer.block_ids[start + skip_blocks : start + num_blocks]
-                fetched.append(self._fetched_chunk(chunk, block_ids, skip_blocks))
-                in_place = index * size + num_blocks * spec.block_size
+            for transfer in transfers:
+                for offset, chunk_hash in enumerate(transfer.chunk_hashes):
+                    if not chunk_hash:
+                        continue  # the group's next query does not read this chunk
+                    partial = offset == last and transfer.partial_blocks
+                    use = transfer.partial_blocks if partial else per_chunk
+                    stored = (transfer.stored_blocks or use) if partial else per_chunk
+                    chunk = self.store.get(chunk_hash)
+                    num_held = self._held_blocks(chunk, stored)
+                    if not num_held:
+                        break
+                    first_held = stored - num_held  # the blocks before had left the window
+                    skip = transfer.skip_tokens // block_size if offset == 0 else 0
+                    low = max(first_held, skip)
+                    start = (transfer.first_chunk + offset) * per_chunk
+                    if low < use:
+                        block_ids = transfer.block_ids[start + low : start + use]
+                        fetched.append(self._fetched_chunk(chunk, block_ids, low - first_held))
+                        held[transfer.group, start + low : start + use] = True
         except Exception:
             logger.exception(
-                "KV load of request %s failed; the rest is recomputed", transfer.request_id
+                "KV load of request %s failed; the rest is recomputed", head.request_id
             )
+        in_place = local_blocks * block_size
+        for end in ends:
+            if group_hit_holds(self.group_specs, block_size, held, local_blocks, end):
+                in_place = end * block_size
         return in_place, fetched
 
-    def _holds(self, chunk: object, num_blocks: int, partial: bool) -> bool:
-        """Whether a stored entry is a chunk of this layout with at least ``num_blocks`` blocks
-        (a whole chunk, or a partial one of fewer blocks than a chunk)."""
+    def _held_blocks(self, chunk: object, stored_blocks: int) -> int:
+        """How many blocks a stored entry of this layout holds, the tail of a chunk's first
+        ``stored_blocks`` (all of them but for a local group's); 0 if it is no such entry."""
         spec = self.spec
         if not isinstance(chunk, np.ndarray) or chunk.ndim != 5:
-            return False
+            return 0
         tokens = chunk.shape[2]
         layout = (chunk.shape[:2], chunk.shape[3:]) == (
             (spec.num_layers, self.parts),
             (spec.num_kv_heads, spec.head_size),
         )
-        if not partial:
-            return layout and tokens == self.chunk_size
-        return (
-            layout
-            and tokens % spec.block_size == 0
-            and num_blocks * spec.block_size <= tokens < self.chunk_size
-        )
+        if not layout or tokens % spec.block_size or tokens > stored_blocks * spec.block_size:
+            return 0
+        return tokens // spec.block_size
 
     def _fetched_chunk(
         self, chunk: np.ndarray, block_ids: list[int], skip_blocks: int

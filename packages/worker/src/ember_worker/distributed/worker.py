@@ -198,8 +198,21 @@ class Worker:
             config = KVTransferConfig.from_dict(self.config.kv_transfer)
             spec = self.model_runner.kv_cache_spec
             self.kv_transfer_store = config.make_store(self.kv_layout_fingerprint())
+            groups = self.model_runner.kv_groups
+            positions = None
+            if len(groups) > 1:  # layer j of every group on cache tensor j
+                positions = [0] * sum(len(group.layer_ids) for group in groups)
+                for group in groups:
+                    for position, layer in enumerate(group.layer_ids):
+                        positions[layer] = position
             self.model_runner.register_kv_connector(
-                TieredConnectorWorker(self.kv_transfer_store, spec, config.chunk_size)
+                TieredConnectorWorker(
+                    self.kv_transfer_store,
+                    spec,
+                    config.chunk_size,
+                    [group.spec for group in groups],
+                    positions,
+                )
             )
 
     def kv_layout_fingerprint(self) -> LayoutFingerprint:
@@ -211,6 +224,7 @@ class Worker:
             self.config.prefix_caching_hash_algo,
             self.tp_rank,
             self.loaded.model.local_layers.start,
+            [group.spec for group in self.model_runner.kv_groups],
         )
 
     @property
