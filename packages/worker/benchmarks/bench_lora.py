@@ -1,8 +1,8 @@
 """Decode throughput of batches mixing LoRA adapters against the base model alone.
 
 One batch of ``--batch`` requests (prompts of 32 tokens, ``--output`` tokens out, greedy) runs on
-the benchmarks' Llama (``BENCH_LLAMA_CONFIG``, about 30M parameters; ``--qwen-0.5b``: the Qwen2.5-0.5B
-shape) in each of ``--dtypes``, as:
+the benchmarks' Llama (``BENCH_LLAMA_CONFIG``, about 30M parameters; ``--qwen-0.5b``: the
+Qwen2.5-0.5B shape) in each of ``--dtypes``, as:
 
 - ``base``: LoRA off (the compiled CPU decoder stack);
 - ``base, lora on``: LoRA enabled, no request with an adapter;
