@@ -111,6 +111,25 @@ def lora_expand(
     return y
 
 
+def moe_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum for ``hidden [tokens, hidden]`` over stacked weights,
+    slot by slot (see ``ember_kernels.moe.cpu_experts``); ``local_ids`` outside ``[0, experts)``
+    add nothing."""
+    return _library().moe_experts(
+        _rows(hidden),
+        w13.contiguous(),
+        w2.contiguous(),
+        topk_weights.float().contiguous(),
+        local_ids.long().contiguous(),
+    )
+
+
 def w8a8_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -38,6 +38,11 @@ void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
                  double scale, at::Tensor& out);
 void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
                  const at::Tensor& slots, int64_t y_offset, int64_t h_offset);
+// The routed experts of a few tokens: out[t] = sum_j topk_weights[t, j] * expert_{local_ids[t, j]}(
+// hidden[t]) over stacked w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I]; ids outside
+// [0, E) add nothing (experts held elsewhere). Float32 sums; float32, bfloat16 or float16.
+at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                       const at::Tensor& topk_weights, const at::Tensor& local_ids);
 // W8A8: x [M, K] quantized to int8 per row (symmetric, one float32 scale each), times an int8
 // weight [N, K] with float32 scales [N] in int32, scaled back and + bias; y [M, N] in x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,
