@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_kernels import moe as moe_ops
+from ember_kernels.moe import cpu_experts
 from ember_kernels.packed_linear import can_pack_linear_weight, pack_linear_weight
 from ember_worker.layers.linear import MIN_PACKED_ELEMENTS, _copy_checked
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
@@ -112,6 +113,10 @@ class FusedExperts(nn.Module):
         (this rank's tokens dispatched to every rank's experts and combined), else this rank's
         part of it (to be all-reduced)."""
         w13, w2 = self._packed or (self.w13_weight, self.w2_weight)
+        if self.w13_weight is not None and cpu_experts.runs_compiled(
+            x, self.w13_weight, self.w2_weight
+        ):  # a few tokens: the compiled kernel over the stacked weights
+            w13, w2 = self.w13_weight, self.w2_weight
         if self.dispatcher is not None:
             return moe_ops.expert_parallel_experts(x, w13, w2, weights, ids, self.dispatcher)
         return moe_ops.fused_experts(x, w13, w2, weights, ids)
@@ -135,7 +140,10 @@ class FusedExperts(nn.Module):
 
     def pack_weights(self) -> None:
         """Pack each expert's weights for oneDNN's CPU matmul, as the dense layers' (where they
-        can be, and at least ``MIN_PACKED_ELEMENTS``); the stacked plain weights are let go."""
+        can be, and at least ``MIN_PACKED_ELEMENTS``), for batches of many tokens. The stacked
+        plain weights are let go, unless the compiled kernel (``ember_kernels.moe.cpu_experts``)
+        can run them: then they stay for decoding's few tokens, at the cost of a second copy of
+        the experts."""
         first = self.w13_weight[0]
         if not can_pack_linear_weight(first) or first.numel() < MIN_PACKED_ELEMENTS[first.dtype]:
             return
@@ -143,7 +151,9 @@ class FusedExperts(nn.Module):
             [pack_linear_weight(w) for w in self.w13_weight],
             [pack_linear_weight(w) for w in self.w2_weight],
         )
-        self.w13_weight = self.w2_weight = None
+        one_token = torch.empty(1, first.shape[1], dtype=first.dtype)
+        if not cpu_experts.runs_compiled(one_token, self.w13_weight, self.w2_weight):
+            self.w13_weight = self.w2_weight = None
 
 
 class SparseMoeBlock(nn.Module):
