@@ -121,12 +121,13 @@ def moe_experts(
     """The routed experts' weighted sum for ``hidden [tokens, hidden]`` over stacked weights,
     slot by slot (see ``ember_kernels.moe.cpu_experts``); ``local_ids`` outside ``[0, experts)``
     add nothing."""
+    # Conversions only where needed: this runs per layer per decode step, for a few tokens.
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+        topk_weights = topk_weights.float().contiguous()
+    if local_ids.dtype != torch.int64 or not local_ids.is_contiguous():
+        local_ids = local_ids.long().contiguous()
     return _library().moe_experts(
-        _rows(hidden),
-        w13.contiguous(),
-        w2.contiguous(),
-        topk_weights.float().contiguous(),
-        local_ids.long().contiguous(),
+        _rows(hidden), w13.contiguous(), w2.contiguous(), topk_weights, local_ids
     )
 
 

@@ -43,5 +43,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``ember_kernels.moe.fused_experts`` (arguments already checked)."""
-    local = local_expert_ids(topk_ids, w13.shape[0], expert_map).view(topk_ids.shape)
+    local = topk_ids
+    if expert_map is not None:
+        local = local_expert_ids(topk_ids, w13.shape[0], expert_map).view(topk_ids.shape)
     return cpu_ops.moe_experts(hidden, w13, w2, topk_weights, local)
