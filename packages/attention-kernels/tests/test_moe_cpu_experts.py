@@ -60,3 +60,24 @@ def test_few_stacked_cpu_tokens_run_compiled_many_run_torch():
     torch.testing.assert_close(
         moe.fused_experts(*few), cpu_experts.fused_experts(*few), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_compiled_softmax_routing_matches_the_torch_path(dtype, renormalize, monkeypatch):
+    gen, seed = fresh_generator()
+    logits = torch.randn(70, 12, generator=gen).to(dtype)
+    routing = dict(renormalize=renormalize, routed_scaling_factor=1.5)
+    weights, ids = moe.select_experts(logits, 3, **routing)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)  # the torch path
+    torch_weights, torch_ids = moe.select_experts(logits, 3, **routing)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    # Best first, equal weights; among equal logits (frequent in bfloat16) either expert may be
+    # chosen, so the ids are checked through their scores.
+    torch.testing.assert_close(weights, torch_weights, rtol=1e-6, atol=1e-7, msg=f"seed {seed}")
+    assert (weights[:, :-1] >= weights[:, 1:]).all()
+    chosen, torch_chosen = logits.gather(1, ids), logits.gather(1, torch_ids)
+    assert torch.equal(chosen, torch_chosen), f"seed {seed}"
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+    if dtype == torch.float32:  # distinct logits: the very same experts
+        assert torch.equal(ids, torch_ids), f"seed {seed}"

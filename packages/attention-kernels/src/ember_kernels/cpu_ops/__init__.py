@@ -131,6 +131,15 @@ def moe_experts(
     )
 
 
+def moe_topk_softmax(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32, ids int64)``, each ``[tokens, top_k]``: the top-k experts of
+    ``softmax(logits [tokens, experts])``, best first, renormalized to sum 1 if asked (see
+    ``ember_kernels.moe.select_experts``)."""
+    return _library().moe_topk_softmax(_rows(logits), top_k, renormalize)
+
+
 def w8a8_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -43,6 +43,10 @@ void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
 // [0, E) add nothing (experts held elsewhere). Float32 sums; float32, bfloat16 or float16.
 at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& local_ids);
+// Softmax routing: each token's top_k experts by softmax(logits) in descending order and their
+// probabilities (float32 weights, int64 ids [tokens, top_k]), renormalized to sum 1 if asked.
+std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& logits, int64_t top_k,
+                                                    bool renormalize);
 // W8A8: x [M, K] quantized to int8 per row (symmetric, one float32 scale each), times an int8
 // weight [N, K] with float32 scales [N] in int32, scaled back and + bias; y [M, N] in x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -172,3 +172,60 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at
   }
   return out;
 }
+
+std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& logits, int64_t top_k,
+                                                    bool renormalize) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "moe_topk_softmax: logits [tokens, E]");
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_topk_softmax: top_k out of range");
+  at::Tensor weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  auto route = [&](auto* base) {
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(experts);
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* row = base + t * stride;
+        float top = -INFINITY, total = 0.f;
+        for (int64_t e = 0; e < experts; ++e) top = std::max(top, static_cast<float>(row[e]));
+        for (int64_t e = 0; e < experts; ++e) {
+          scores[e] = std::exp(static_cast<float>(row[e]) - top);
+          total += scores[e];
+        }
+        // The top_k best in descending order (the lower id first among equal scores); a chosen
+        // score is set to -1 (below every probability) so the next pass skips it.
+        float chosen = 0.f;
+        for (int64_t k = 0; k < top_k; ++k) {
+          int64_t best = 0;
+          for (int64_t e = 1; e < experts; ++e) {
+            if (scores[e] > scores[best]) best = e;
+          }
+          const float p = scores[best] / total;
+          wp[t * top_k + k] = p;
+          ip[t * top_k + k] = best;
+          chosen += p;
+          scores[best] = -1.f;
+        }
+        if (renormalize) {
+          for (int64_t k = 0; k < top_k; ++k) wp[t * top_k + k] /= chosen + 1e-20f;
+        }
+      }
+    });
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      route(logits.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      route(logits.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      route(logits.data_ptr<c10::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "moe_topk_softmax: float32, bfloat16 or float16 logits expected");
+  }
+  return {weights, ids};
+}
