@@ -115,6 +115,35 @@ def lora_expand(
     return y
 
 
+def moe_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    local_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum for ``hidden [tokens, hidden]`` over stacked weights,
+    slot by slot (see ``ember_kernels.moe.cpu_experts``); ``local_ids`` outside ``[0, experts)``
+    add nothing."""
+    # Conversions only where needed: this runs per layer per decode step, for a few tokens.
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+        topk_weights = topk_weights.float().contiguous()
+    if local_ids.dtype != torch.int64 or not local_ids.is_contiguous():
+        local_ids = local_ids.long().contiguous()
+    return _library().moe_experts(
+        _rows(hidden), w13.contiguous(), w2.contiguous(), topk_weights, local_ids
+    )
+
+
+def moe_topk_softmax(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32, ids int64)``, each ``[tokens, top_k]``: the top-k experts of
+    ``softmax(logits [tokens, experts])``, best first, renormalized to sum 1 if asked (see
+    ``ember_kernels.moe.select_experts``)."""
+    return _library().moe_topk_softmax(_rows(logits), top_k, renormalize)
+
+
 def w8a8_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "Matmul with a per-channel int8 weight (CPU)");
   m.def("lora_shrink", &lora_shrink, "Per-row LoRA shrink h = scale * A[slot] x (CPU, float32)");
   m.def("lora_expand", &lora_expand, "Per-row LoRA expand y += B[slot] h (CPU, float32)");
+  m.def("moe_experts", &moe_experts, "Routed MoE experts of a few tokens, stacked weights (CPU)");
+  m.def("moe_topk_softmax", &moe_topk_softmax, "Softmax top-k routing, optionally renormalized (CPU)");
   m.def("w8a8_linear", &w8a8_linear, "int8 x int8 matmul, activations quantized per row (CPU)");
   pybind11::class_<DecoderStack>(m, "DecoderStack", "Pre-norm decoder layers in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool>())

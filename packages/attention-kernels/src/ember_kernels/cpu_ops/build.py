@@ -35,6 +35,7 @@ SOURCES = [
         "fused_ops.cpp",
         "int8_linear.cpp",
         "lora.cpp",
+        "moe.cpp",
         "w8a8_linear.cpp",
         "decoder_stack.cpp",
         "bindings.cpp",

@@ -54,6 +54,15 @@ LoRARows lora_rows(const at::Tensor& slots, bool grouped);
 // lora_expand) or per group (matmuls), with the numbers of the matching Python path.
 void lora_add(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a,
               const std::vector<at::Tensor>& lora_b, const LoRARows& rows);
+// The routed experts of a few tokens: out[t] = sum_j topk_weights[t, j] * expert_{local_ids[t, j]}(
+// hidden[t]) over stacked w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I]; ids outside
+// [0, E) add nothing (experts held elsewhere). Float32 sums; float32, bfloat16 or float16.
+at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                       const at::Tensor& topk_weights, const at::Tensor& local_ids);
+// Softmax routing: each token's top_k experts by softmax(logits) in descending order and their
+// probabilities (float32 weights, int64 ids [tokens, top_k]), renormalized to sum 1 if asked.
+std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& logits, int64_t top_k,
+                                                    bool renormalize);
 // W8A8: x [M, K] quantized to int8 per row (symmetric, one float32 scale each), times an int8
 // weight [N, K] with float32 scales [N] in int32, scaled back and + bias; y [M, N] in x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -2,8 +2,9 @@
 
 ``select_experts`` turns router logits into each token's experts and weights; ``fused_experts``
 runs the experts over their tokens and combines the results; ``fused_moe`` does both. CUDA
-tensors run the Triton kernel (``ember_kernels.triton_ops.fused_moe``), other tensors the torch
-path (``ember_kernels.moe.torch_experts``), which also takes per-expert weights packed for oneDNN.
+tensors run the Triton kernel (``ember_kernels.triton_ops.fused_moe``), a few CPU tokens on stacked
+weights the compiled kernel (``ember_kernels.moe.cpu_experts``), other tensors the torch path
+(``ember_kernels.moe.torch_experts``), which also takes per-expert weights packed for oneDNN.
 Expert parallelism: ``ExpertPlacement`` says which rank holds which expert, and
 ``AllToAllDispatcher`` (``expert_parallel_experts``) sends tokens to their experts' ranks and the
 results back over ``torch.distributed`` all-to-all.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ember_kernels.moe import cpu_experts
 from ember_kernels.moe.all_to_all import (
     AllToAllDispatcher,
     expert_parallel_experts,
@@ -62,6 +64,8 @@ def fused_experts(
         from ember_kernels.triton_ops.fused_moe import fused_experts as triton_fused_experts
 
         return triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
+    if cpu_experts.runs_compiled(hidden, w13, w2):
+        return cpu_experts.fused_experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
     return _torch_fused_experts(hidden, w13, w2, topk_weights, topk_ids, expert_map)
 
 

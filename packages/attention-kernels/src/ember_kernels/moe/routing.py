@@ -4,12 +4,16 @@ Covers the routers of Mixtral and Qwen-MoE (softmax, top-k, optional renormaliza
 (softmax, top-k within the best ``topk_group`` of ``num_expert_group`` groups, a group scored by
 its best expert) and DeepSeek-V3 (sigmoid scores; the choice, and the groups scored by the sum of
 their two best, use the scores plus a correction bias, the weights the scores without it).
-Everything is vectorized over tokens; the weights come out in float32.
+Everything is vectorized over tokens; the weights come out in float32. Plain softmax routing of CPU
+tensors runs the compiled ``cpu_ops.moe_topk_softmax`` where it is built (one call instead of the
+torch path's softmax, top-k, gather and renormalization); the choice is the same up to ties.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ember_kernels import cpu_ops
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -34,6 +38,11 @@ def select_experts(
     choosing (groups and experts), not the weights.
     """
     _check_routing(router_logits, top_k, scoring, num_expert_group, topk_group, correction_bias)
+    if _runs_compiled(router_logits, scoring, num_expert_group, correction_bias):
+        topk_weights, topk_ids = cpu_ops.moe_topk_softmax(router_logits, top_k, renormalize)
+        if routed_scaling_factor != 1.0:
+            topk_weights = topk_weights * routed_scaling_factor
+        return topk_weights, topk_ids
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
@@ -46,6 +55,19 @@ def select_experts(
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_ids
+
+
+def _runs_compiled(logits, scoring, num_groups, correction_bias) -> bool:
+    """Plain softmax routing of CPU logits runs in one compiled call where the kernels are built
+    (a decode step's few tokens would spend more on the torch path's seven small ops)."""
+    return (
+        scoring == "softmax"
+        and (num_groups is None or num_groups <= 1)
+        and correction_bias is None
+        and logits.device.type == "cpu"
+        and logits.dtype in cpu_ops.DTYPES
+        and cpu_ops.available()
+    )
 
 
 def _mask_to_best_groups(
