@@ -1,23 +1,57 @@
 """Compiled C++ kernels for CPU tensors (built on first use, see ``build``).
 
-``available()`` says whether they could be built here. Each function takes the same arguments as
+``available()`` says whether they could be built here (``start_background_build`` and
+``one_step``: an engine that serves while they compile). Each function takes the same arguments as
 the ``ember_kernels`` function of its name, for float32, float16 and bfloat16 tensors (``DTYPES``),
 and raises ``RuntimeError`` where the kernels could not be built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
-from ember_kernels.cpu_ops.build import load_library
+from ember_kernels.cpu_ops.build import (
+    building_in_background,
+    load_library,
+    settled_library,
+)
+from ember_kernels.cpu_ops.build import (
+    start_background_build as start_background_build,
+)
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_step = threading.local()  # .available: this thread's answer for the step it runs
 
 
 def available() -> bool:
-    """Whether the compiled CPU kernels work here (the first call builds or loads them)."""
+    """Whether the compiled CPU kernels work here: the first call builds or loads them, except
+    in a process that started a background build, where it says whether that build is ready
+    (without waiting), and inside ``one_step``, where it keeps the answer the step began with."""
+    pinned = getattr(_step, "available", None)
+    if pinned is not None:
+        return pinned
+    if building_in_background():
+        return settled_library() is not None
     return load_library() is not None
+
+
+@contextlib.contextmanager
+def one_step():
+    """Run a model step on one path: ``available()`` in this thread keeps, until the block ends,
+    the answer it gives at its start, so a background build finishing mid-step is taken up by
+    the next step (its kernels and the decoder stack's), never by half of this one."""
+    if getattr(_step, "available", None) is not None:  # nested: the outer step's answer holds
+        yield
+        return
+    _step.available = available()
+    try:
+        yield
+    finally:
+        _step.available = None
 
 
 def _library():
