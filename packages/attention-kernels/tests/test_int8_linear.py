@@ -32,14 +32,17 @@ def test_quantize_refuses_non_float_or_non_matrix():
         quantize_int8(torch.ones(4))
 
 
+WIDENED_MAX_ROWS = 8  # int8_linear.cpp's MAX_WIDENED_ROWS
+
+
 def _reference(x, q, scales, bias):
     out = x.double() @ (q.double() * scales.double()[:, None]).T
     return out if bias is None else out + bias.double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# up to 16 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 21])
+# up to 8 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 21])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     torch.manual_seed(rows)
@@ -50,6 +53,8 @@ def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     out = int8_linear(x, q, scales, b)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     expected = _reference(x, q, scales, b)
+    if rows > WIDENED_MAX_ROWS:  # the matmul of x's dtype, on the weight rounded to that dtype
+        expected = _reference(x, dequantize_int8(q, scales, dtype), torch.ones(out_features), b)
     # float32 sums, then one rounding to the activation dtype (bfloat16: 2^-9 relative)
     rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2**-8, 1e-3)
     torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol)
