@@ -32,7 +32,7 @@ def test_quantize_refuses_non_float_or_non_matrix():
         quantize_int8(torch.ones(4))
 
 
-WIDENED_MAX_ROWS = 8  # int8_linear.cpp's MAX_WIDENED_ROWS
+WIDENED_MAX_ROWS = 4  # int8_linear.cpp's MAX_WIDENED_ROWS
 
 
 def _reference(x, q, scales, bias):
@@ -41,8 +41,8 @@ def _reference(x, q, scales, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# up to 8 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 21])
+# up to 4 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 16, 21])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     torch.manual_seed(rows)
@@ -94,3 +94,20 @@ def test_linear_dispatches_int8_and_needs_scales():
         linear(x, q)
     with pytest.raises(ValueError, match="q/scales"):
         int8_linear(x, q, scales.double())
+
+
+def test_batched_int8_linear_runs_its_blocks_in_the_callers_inference_mode():
+    """Above WIDENED_MAX_ROWS the blocks run in torch's intra-op threads, which must write the
+    caller's inference tensors as the caller could (an engine step runs in inference mode)."""
+    torch.manual_seed(4)
+    q, scales = quantize_int8(torch.randn(300, 96))  # several blocks, a short last one
+    x = torch.randn(12, 96, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            out = int8_linear(x, q, scales)
+    finally:
+        torch.set_num_threads(threads)
+    expected = _reference(x, dequantize_int8(q, scales, torch.bfloat16), torch.ones(300), None)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)

@@ -10,6 +10,7 @@
 // the int8 weight's point is its memory.
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -38,7 +39,7 @@ using namespace ember_vec;
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 
 constexpr int ROWS = 4;                    // activation rows sharing one pass over a weight row
-constexpr int64_t MAX_WIDENED_ROWS = 8;    // above: the matmul on dequantized blocks is faster
+constexpr int64_t MAX_WIDENED_ROWS = 4;    // above: the matmul on dequantized blocks is faster
 constexpr int64_t BLOCK_BYTES = 1 << 20;   // dequantized weight bytes per block (cache-sized)
 constexpr int64_t BLOCK_ALIGN = 64;        // output channels per block: a multiple of this
 constexpr int64_t GRAIN_BYTES = 1 << 16;   // weight bytes per thread below which one thread runs
@@ -143,30 +144,38 @@ void dequantize_rows(const int8_t* q, const float* scales, int64_t K, int64_t n0
   }
 }
 
+// One parallel region: each thread dequantizes a block of output channels into its own scratch
+// buffer and runs the (then single-threaded) matmul on it while the block is in its cache; a
+// region per block and per step (dequantize, then matmul) cost more in barriers than the work
+// when the cores are shared.
 template <typename T>
 void dequantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                         const at::Tensor& bias, at::Tensor& out) {
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t fit = BLOCK_BYTES / (K * static_cast<int64_t>(sizeof(T)));
-  const int64_t block = std::min(N, std::max<int64_t>(BLOCK_ALIGN, fit / BLOCK_ALIGN * BLOCK_ALIGN));
-  // Kept per calling thread: a fresh cache-sized allocation each call is mapped and faulted in
-  // page by page, which cost as much as the dequantization.
-  thread_local std::vector<char> buffer;
-  buffer.resize(std::max<size_t>(buffer.size(), block * K * sizeof(T)));
-  T* w = reinterpret_cast<T*>(buffer.data());
-  const at::Tensor scratch = at::from_blob(w, {block, K}, x.options());
+  const int64_t per_thread = (N + at::get_num_threads() - 1) / at::get_num_threads();
+  const int64_t block = std::max<int64_t>(
+      BLOCK_ALIGN, std::min(fit, per_thread + BLOCK_ALIGN - 1) / BLOCK_ALIGN * BLOCK_ALIGN);
+  const int64_t num_blocks = (N + block - 1) / block;
   const int8_t* q = static_cast<const int8_t*>(weight.data_ptr());
   const float* s = static_cast<const float*>(scales.data_ptr());
-  for (int64_t start = 0; start < N; start += block) {
-    const int64_t size = std::min(block, N - start);
-    at::parallel_for(start, start + size, 1, [&](int64_t n0, int64_t n1) {
-      dequantize_rows<T>(q, s, K, n0, n1, w + (n0 - start) * K);
-    });
-    const at::Tensor part = at::linear(
-        x, scratch.narrow(0, 0, size),
-        bias.defined() ? std::optional<at::Tensor>(bias.narrow(0, start, size)) : std::nullopt);
-    out.narrow(1, start, size).copy_(part);
-  }
+  const at::ThreadLocalState caller;  // inference mode, grad mode: ATen calls in the threads
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    // Kept per thread: a fresh cache-sized allocation each call is mapped and faulted in page
+    // by page, which cost as much as the dequantization.
+    thread_local std::vector<char> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), block * K * sizeof(T)));
+    T* w = reinterpret_cast<T*>(buffer.data());
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * block, size = std::min(block, N - start);
+      dequantize_rows<T>(q, s, K, start, start + size, w);
+      const at::Tensor part = at::linear(
+          x, at::from_blob(w, {size, K}, x.options()),
+          bias.defined() ? std::optional<at::Tensor>(bias.narrow(0, start, size)) : std::nullopt);
+      out.narrow(1, start, size).copy_(part);
+    }
+  });
 }
 
 }  // namespace
