@@ -22,11 +22,12 @@ import torch
 from ember_kernels import cpu_ops
 from ember_kernels.cpu_ops.build import load_library
 cpu_ops.start_background_build()
-assert not cpu_ops.available()  # building: nobody waits for it
 with cpu_ops.one_step():
+    assert not cpu_ops.available()  # building: a step does not wait for it
     assert load_library() is not None  # wait here for the build's end
     assert not cpu_ops.available()  # the step keeps its answer
-assert cpu_ops.available()
+with cpu_ops.one_step():
+    assert cpu_ops.available()
 from ember_kernels.reference import rms_norm_reference
 x, w = torch.randn(3, 64), torch.randn(64)
 torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
@@ -79,14 +80,14 @@ def test_one_step_keeps_its_answer_while_the_build_finishes(monkeypatch):
     settled = [None]
     monkeypatch.setattr(cpu_ops, "building_in_background", lambda: True)
     monkeypatch.setattr(cpu_ops, "settled_library", lambda: settled[0])
-    assert not cpu_ops.available()
     with cpu_ops.one_step():
+        assert not cpu_ops.available()
         settled[0] = library  # the build ends mid-step
         assert not cpu_ops.available()
         with cpu_ops.one_step():  # a nested step (a draft model's) keeps the outer answer
             assert not cpu_ops.available()
         assert not cpu_ops.available()
-    assert cpu_ops.available()
+    assert cpu_ops.available()  # outside a step: waits for the library (here: settled)
     with cpu_ops.one_step():
         assert cpu_ops.available()
         x, w = torch.randn(4, 32), torch.randn(32)

@@ -28,26 +28,27 @@ _step = threading.local()  # .available: this thread's answer for the step it ru
 
 
 def available() -> bool:
-    """Whether the compiled CPU kernels work here: the first call builds or loads them, except
-    in a process that started a background build, where it says whether that build is ready
-    (without waiting), and inside ``one_step``, where it keeps the answer the step began with."""
+    """Whether the compiled CPU kernels work here: the first call builds or loads them (waiting
+    for a background build), except inside ``one_step``, which answers without waiting."""
     pinned = getattr(_step, "available", None)
     if pinned is not None:
         return pinned
-    if building_in_background():
-        return settled_library() is not None
     return load_library() is not None
 
 
 @contextlib.contextmanager
 def one_step():
     """Run a model step on one path: ``available()`` in this thread keeps, until the block ends,
-    the answer it gives at its start, so a background build finishing mid-step is taken up by
-    the next step (its kernels and the decoder stack's), never by half of this one."""
+    the answer it gives at its start, which in a process that started a background build is
+    whether that build is done (a step never waits for it). A build finishing mid-step is
+    taken up by the next step (its kernels and the decoder stack's), never by half of this one."""
     if getattr(_step, "available", None) is not None:  # nested: the outer step's answer holds
         yield
         return
-    _step.available = available()
+    if building_in_background():
+        _step.available = settled_library() is not None
+    else:
+        _step.available = load_library() is not None
     try:
         yield
     finally:

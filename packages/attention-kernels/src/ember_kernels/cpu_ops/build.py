@@ -186,8 +186,8 @@ def load_library():
 def start_background_build() -> None:
     """Settle the library without making the caller wait for a compiler: a cached library is
     imported now (a fraction of a second); otherwise a daemon thread builds it, and from here on
-    ``cpu_ops.available()`` in this process says whether it is ready instead of waiting for it.
-    Idempotent."""
+    ``cpu_ops.one_step`` in this process asks whether it is ready instead of waiting for it
+    (``load_library`` and ``cpu_ops.available`` outside a step still wait). Idempotent."""
     with _start_lock:
         if "module" in _state or "builder" in _state:
             return
