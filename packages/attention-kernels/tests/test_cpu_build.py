@@ -92,3 +92,16 @@ def test_one_step_keeps_its_answer_while_the_build_finishes(monkeypatch):
         assert cpu_ops.available()
         x, w = torch.randn(4, 32), torch.randn(32)
         torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+def test_a_step_that_never_asks_loads_nothing(monkeypatch):
+    """A GPU engine's steps run inside ``one_step`` too: the CPU kernels are not built for them."""
+
+    def load_library():
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr(cpu_ops, "load_library", load_library)
+    with cpu_ops.one_step():
+        pass
+    with pytest.raises(AssertionError, match="loaded"), cpu_ops.one_step():
+        cpu_ops.available()

@@ -24,35 +24,37 @@ from ember_kernels.cpu_ops.build import (
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_step = threading.local()  # .available: this thread's answer for the step it runs
+_step = threading.local()  # .depth: one_step blocks open; .available: their answer once asked
 
 
 def available() -> bool:
     """Whether the compiled CPU kernels work here: the first call builds or loads them (waiting
     for a background build), except inside ``one_step``, which answers without waiting."""
-    pinned = getattr(_step, "available", None)
-    if pinned is not None:
-        return pinned
-    return load_library() is not None
+    if not getattr(_step, "depth", 0):
+        return load_library() is not None
+    if _step.available is None:  # the step's first question: its answer for the whole step
+        if building_in_background():
+            _step.available = settled_library() is not None
+        else:
+            _step.available = load_library() is not None
+    return _step.available
 
 
 @contextlib.contextmanager
 def one_step():
     """Run a model step on one path: ``available()`` in this thread keeps, until the block ends,
-    the answer it gives at its start, which in a process that started a background build is
+    the answer it first gives in it, which in a process that started a background build is
     whether that build is done (a step never waits for it). A build finishing mid-step is
-    taken up by the next step (its kernels and the decoder stack's), never by half of this one."""
-    if getattr(_step, "available", None) is not None:  # nested: the outer step's answer holds
-        yield
-        return
-    if building_in_background():
-        _step.available = settled_library() is not None
-    else:
-        _step.available = load_library() is not None
+    taken up by the next step (its kernels and the decoder stack's), never by half of this one.
+    Nothing is built or loaded unless the step asks (a GPU step does not)."""
+    depth = getattr(_step, "depth", 0)
+    if depth == 0:
+        _step.available = None
+    _step.depth = depth + 1
     try:
         yield
     finally:
-        _step.available = None
+        _step.depth = depth
 
 
 def _library():
