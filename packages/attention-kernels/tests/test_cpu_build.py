@@ -6,11 +6,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from ember_kernels import cpu_ops
+from ember_kernels.cpu_ops import build
 from ember_kernels.reference import rms_norm_reference
 
 needs_compiler = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
@@ -20,6 +22,7 @@ needs_compiler = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ comp
 BACKGROUND_BUILD = """
 import torch
 from ember_kernels import cpu_ops
+from ember_kernels.cpu_ops import build
 from ember_kernels.cpu_ops.build import load_library
 cpu_ops.start_background_build()
 with cpu_ops.one_step():
@@ -35,6 +38,7 @@ torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w
 
 WARM_START = """
 from ember_kernels import cpu_ops
+from ember_kernels.cpu_ops import build
 from ember_kernels.cpu_ops.build import building_in_background, settled_library
 cpu_ops.start_background_build()
 assert not building_in_background() and settled_library() is not None
@@ -105,3 +109,19 @@ def test_a_step_that_never_asks_loads_nothing(monkeypatch):
         pass
     with pytest.raises(AssertionError, match="loaded"), cpu_ops.one_step():
         cpu_ops.available()
+
+
+def test_the_background_build_runs_at_a_lower_priority(monkeypatch):
+    """Its thread (and so the compilers it starts) is niced; the caller's threads are not."""
+    seen = []
+
+    def load_library():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    monkeypatch.setattr(build, "load_library", load_library)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = threading.Thread(target=build._build_then_log)
+    worker.start()
+    worker.join()
+    assert seen == [min(19, before + build.BACKGROUND_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

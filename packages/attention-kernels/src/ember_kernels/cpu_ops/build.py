@@ -17,6 +17,7 @@ start) leaves no half-written library and never meets another process's compiler
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -207,7 +208,15 @@ def start_background_build() -> None:
         builder.start()
 
 
+BACKGROUND_NICE = 10  # added niceness: the compiler yields the cores to the engine beside it
+
+
 def _build_then_log() -> None:
+    # Linux: this thread's niceness, which the compiler processes it starts inherit.
+    with contextlib.suppress(AttributeError, OSError):
+        thread = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, nice))
     if load_library() is not None:
         logger.warning("ember_kernels: CPU kernels ready; steps from now on use them")
 
