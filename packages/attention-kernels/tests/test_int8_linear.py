@@ -32,14 +32,17 @@ def test_quantize_refuses_non_float_or_non_matrix():
         quantize_int8(torch.ones(4))
 
 
+WIDENED_MAX_ROWS = 4  # int8_linear.cpp's MAX_WIDENED_ROWS
+
+
 def _reference(x, q, scales, bias):
     out = x.double() @ (q.double() * scales.double()[:, None]).T
     return out if bias is None else out + bias.double()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# up to 16 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 21])
+# up to 4 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 16, 21])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     torch.manual_seed(rows)
@@ -50,6 +53,8 @@ def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     out = int8_linear(x, q, scales, b)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     expected = _reference(x, q, scales, b)
+    if rows > WIDENED_MAX_ROWS:  # the matmul of x's dtype, on the weight rounded to that dtype
+        expected = _reference(x, dequantize_int8(q, scales, dtype), torch.ones(out_features), b)
     # float32 sums, then one rounding to the activation dtype (bfloat16: 2^-9 relative)
     rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2**-8, 1e-3)
     torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol)
@@ -89,3 +94,20 @@ def test_linear_dispatches_int8_and_needs_scales():
         linear(x, q)
     with pytest.raises(ValueError, match="q/scales"):
         int8_linear(x, q, scales.double())
+
+
+def test_batched_int8_linear_runs_its_blocks_in_the_callers_inference_mode():
+    """Above WIDENED_MAX_ROWS the blocks run in torch's intra-op threads, which must write the
+    caller's inference tensors as the caller could (an engine step runs in inference mode)."""
+    torch.manual_seed(4)
+    q, scales = quantize_int8(torch.randn(300, 96))  # several blocks, a short last one
+    x = torch.randn(12, 96, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            out = int8_linear(x, q, scales)
+    finally:
+        torch.set_num_threads(threads)
+    expected = _reference(x, dequantize_int8(q, scales, torch.bfloat16), torch.ones(300), None)
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)

@@ -65,7 +65,7 @@ def int8_linear(
 def _dequantized_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    # In float32 and rounded once, as the compiled kernel.
+    # In float32 and rounded once, as the compiled kernel up to MAX_WIDENED_ROWS rows.
     x32 = x.float()
     out = x.new_empty(x.shape[0], q.shape[0])
     for start in range(0, q.shape[0], DEQUANTIZE_BLOCK):

@@ -76,8 +76,9 @@ class ModelRunner:
         self.device = device
         self.pp = pp
         if device.type == "cpu":
-            # Build (first run on this CPU) or load the compiled attention now, not in a step.
-            ek.cpu_ops.available()
+            # Load the compiled kernels now, not in a step; a first build on this CPU runs in the
+            # background while the torch path serves (execute_model keeps each step on one path).
+            ek.cpu_ops.start_background_build()
         # Layers with different KV specs (Gemma's local and global) keep a table per group.
         self.kv_groups = kv_cache_groups(loaded.config)
         if len(self.kv_groups) > 1 and not (pp.is_first and pp.is_last):
@@ -183,6 +184,10 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's outputs; on a pipeline stage other than the last, None, or with a KV
         connector an output holding only its connector's report."""
+        with ek.cpu_ops.one_step():
+            return self._execute_step(scheduler_output)
+
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         connector = self.kv_connector
         if connector is None:
             return self._execute_model(scheduler_output)

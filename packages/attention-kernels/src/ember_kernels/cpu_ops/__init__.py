@@ -1,23 +1,60 @@
 """Compiled C++ kernels for CPU tensors (built on first use, see ``build``).
 
-``available()`` says whether they could be built here. Each function takes the same arguments as
+``available()`` says whether they could be built here (``start_background_build`` and
+``one_step``: an engine that serves while they compile). Each function takes the same arguments as
 the ``ember_kernels`` function of its name, for float32, float16 and bfloat16 tensors (``DTYPES``),
 and raises ``RuntimeError`` where the kernels could not be built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
-from ember_kernels.cpu_ops.build import load_library
+from ember_kernels.cpu_ops.build import (
+    building_in_background,
+    load_library,
+    settled_library,
+)
+from ember_kernels.cpu_ops.build import (
+    start_background_build as start_background_build,
+)
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_step = threading.local()  # .depth: one_step blocks open; .available: their answer once asked
 
 
 def available() -> bool:
-    """Whether the compiled CPU kernels work here (the first call builds or loads them)."""
-    return load_library() is not None
+    """Whether the compiled CPU kernels work here: the first call builds or loads them (waiting
+    for a background build), except inside ``one_step``, which answers without waiting."""
+    if not getattr(_step, "depth", 0):
+        return load_library() is not None
+    if _step.available is None:  # the step's first question: its answer for the whole step
+        if building_in_background():
+            _step.available = settled_library() is not None
+        else:
+            _step.available = load_library() is not None
+    return _step.available
+
+
+@contextlib.contextmanager
+def one_step():
+    """Run a model step on one path: ``available()`` in this thread keeps, until the block ends,
+    the answer it first gives in it, which in a process that started a background build is
+    whether that build is done (a step never waits for it). A build finishing mid-step is
+    taken up by the next step (its kernels and the decoder stack's), never by half of this one.
+    Nothing is built or loaded unless the step asks (a GPU step does not)."""
+    depth = getattr(_step, "depth", 0)
+    if depth == 0:
+        _step.available = None
+    _step.depth = depth + 1
+    try:
+        yield
+    finally:
+        _step.depth = depth
 
 
 def _library():

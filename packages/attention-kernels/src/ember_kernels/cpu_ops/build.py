@@ -7,10 +7,17 @@ processes import the cached library directly (no compiler call). Where no compil
 torch path is used and one warning line says why. The sources include only the ATen and pybind11
 headers they use (not ``torch/extension.h``): that took the compiler's time from about 72 to
 about 30 CPU-seconds.
+
+An engine need not wait for a first build: ``start_background_build`` imports a cached library at
+once, or else compiles it in a daemon thread while the torch path serves (``cpu_ops.one_step``
+keeps each step on one path). Each build compiles in a folder of its own process and renames the
+finished library into the cache, so a build killed midway (a server stopped during its first
+start) leaves no half-written library and never meets another process's compiler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -52,7 +59,8 @@ HEADERS = [
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
-_lock = threading.Lock()
+_lock = threading.Lock()  # held while the library is settled (imported or built)
+_start_lock = threading.Lock()  # held while a background build is started
 _state: dict[str, object] = {}
 
 
@@ -107,9 +115,9 @@ def _import_library(name: str, path: pathlib.Path):
 
 
 def _build(name: str, directory: pathlib.Path):
-    """Compile under an ``flock`` of the build folder, which the kernel releases if this process
-    dies: torch's own lock is a plain file that a killed build leaves behind, and every later
-    build of the same key would wait on it forever."""
+    """Compile in a folder of this process's own, then rename the library into ``directory``,
+    under an ``flock`` of ``directory`` that the kernel releases if this process dies (torch's
+    own lock is a plain file that a killed build leaves behind)."""
     import fcntl
 
     from torch.utils.cpp_extension import load
@@ -120,7 +128,10 @@ def _build(name: str, directory: pathlib.Path):
         fcntl.flock(build_lock, fcntl.LOCK_EX)
         if library.exists():  # another process built it while this one waited
             return _import_library(name, library)
-        (directory / "lock").unlink(missing_ok=True)  # torch's, stale: no other build holds us
+        for stale in directory.glob("build-*"):  # left by killed builds (the lock is ours)
+            shutil.rmtree(stale, ignore_errors=True)
+        workdir = directory / f"build-{os.getpid()}"
+        workdir.mkdir()
         # A warning, so that it reaches stderr where logging was never configured (a first start
         # otherwise sits silent while the compiler runs); ninja compiles the sources in parallel.
         logger.warning(
@@ -135,11 +146,20 @@ def _build(name: str, directory: pathlib.Path):
             sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
+            build_directory=str(workdir),
             verbose=False,
         )
+        os.replace(workdir / f"{name}.so", library)  # atomic: whole or absent
+        shutil.rmtree(workdir, ignore_errors=True)
         logger.warning("ember_kernels: CPU kernels compiled in %.1f s", time.perf_counter() - start)
         return module
+
+
+def _library_path() -> tuple[str, pathlib.Path]:
+    """The library's module name and its path in the cache (which may not exist yet)."""
+    key = _build_key()
+    name = f"ember_cpu_kernels_{key}"
+    return name, cache_root() / key / f"{name}.so"
 
 
 def load_library():
@@ -151,11 +171,10 @@ def load_library():
             return _state["module"]
         module = None
         try:
-            key = _build_key()
-            name = f"ember_cpu_kernels_{key}"
-            directory = cache_root() / key
-            library = directory / f"{name}.so"
-            module = _import_library(name, library) if library.exists() else _build(name, directory)
+            name, library = _library_path()
+            module = (
+                _import_library(name, library) if library.exists() else _build(name, library.parent)
+            )
         except Exception as exc:  # no compiler, a failed build or load: the torch path serves
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             logger.warning(
@@ -164,3 +183,50 @@ def load_library():
             )
         _state["module"] = module
         return module
+
+
+def start_background_build() -> None:
+    """Settle the library without making the caller wait for a compiler: a cached library is
+    imported now (a fraction of a second); otherwise a daemon thread builds it, and from here on
+    ``cpu_ops.one_step`` in this process asks whether it is ready instead of waiting for it
+    (``load_library`` and ``cpu_ops.available`` outside a step still wait). Idempotent."""
+    with _start_lock:
+        if "module" in _state or "builder" in _state:
+            return
+        try:
+            cached = _library_path()[1].exists()
+        except Exception:  # no compiler: load_library logs why, at once
+            cached = True
+        if cached:
+            load_library()
+            return
+        logger.warning(
+            "ember_kernels: the CPU kernels are not built for this CPU yet; building them in the "
+            "background (the torch path serves until they are ready)"
+        )
+        builder = threading.Thread(target=_build_then_log, name="ember-kernels-build", daemon=True)
+        _state["builder"] = builder
+        builder.start()
+
+
+BACKGROUND_NICE = 10  # added niceness: the compiler yields the cores to the engine beside it
+
+
+def _build_then_log() -> None:
+    # Linux: this thread's niceness, which the compiler processes it starts inherit.
+    with contextlib.suppress(AttributeError, OSError):
+        thread = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, nice))
+    if load_library() is not None:
+        logger.warning("ember_kernels: CPU kernels ready; steps from now on use them")
+
+
+def building_in_background() -> bool:
+    """Whether ``start_background_build`` started a build in this process (finished or not)."""
+    return "builder" in _state
+
+
+def settled_library():
+    """The library if settled and built, else None; never waits (see ``load_library``)."""
+    return _state.get("module")

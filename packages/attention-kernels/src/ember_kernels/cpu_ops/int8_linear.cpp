@@ -3,12 +3,17 @@
 // activation dtype. Steps of up to MAX_WIDENED_ROWS rows (decoding) read each weight row once,
 // widen it to float in registers and multiply it into up to ROWS activation rows at a time: half
 // the bytes of a bfloat16 weight. Larger steps are bound by arithmetic, not bytes: they run the
-// float32 matmul on the weight dequantized DEQUANTIZE_BLOCK output channels at a time.
+// matmul of the activation dtype (oneDNN's bfloat16 dot products for bfloat16, rather than a
+// float32 matmul on converted operands) over blocks of the weight dequantized into a scratch
+// buffer small enough to stay in cache between the two (writing the whole weight out and reading
+// it back would cost more memory traffic than the matmul itself). No dequantized copy is kept:
+// the int8 weight's point is its memory.
 
 #include <ATen/Parallel.h>
-#include <ATen/TensorOperators.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -20,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -33,8 +39,9 @@ using namespace ember_vec;
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 
 constexpr int ROWS = 4;                    // activation rows sharing one pass over a weight row
-constexpr int64_t MAX_WIDENED_ROWS = 16;   // above: the dequantized float32 matmul is faster
-constexpr int64_t DEQUANTIZE_BLOCK = 2048;  // output channels dequantized at a time (bounded memory)
+constexpr int64_t MAX_WIDENED_ROWS = 4;    // above: the matmul on dequantized blocks is faster
+constexpr int64_t BLOCK_BYTES = 1 << 20;   // dequantized weight bytes per block (cache-sized)
+constexpr int64_t BLOCK_ALIGN = 64;        // output channels per block: a multiple of this
 constexpr int64_t GRAIN_BYTES = 1 << 16;   // weight bytes per thread below which one thread runs
 
 // Sign-extend and convert in two instructions (GCC lowers __builtin_convertvector from int8 to a
@@ -113,18 +120,62 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   });
 }
 
+// w[n - n0] = q[n] * scales[n] in T for the rows n in [n0, n1) of an int8 weight [N, K].
+template <typename T>
+void dequantize_rows(const int8_t* q, const float* scales, int64_t K, int64_t n0, int64_t n1,
+                     T* w) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = q + n * K;
+    T* dst = w + (n - n0) * K;
+    const vf scale = splat(scales[n]);
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // one rounding instruction, not five
+      for (; k + VW <= K; k += VW) {
+        __m512 v;
+        const vf scaled = load_int8_as_float(row + k) * scale;
+        std::memcpy(&v, &scaled, sizeof(v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+#endif
+    for (; k + VW <= K; k += VW) store_as<T>(dst + k, load_int8_as_float(row + k) * scale);
+    for (; k < K; ++k) dst[k] = static_cast<T>(static_cast<float>(row[k]) * scales[n]);
+  }
+}
+
+// One parallel region: each thread dequantizes a block of output channels into its own scratch
+// buffer and runs the (then single-threaded) matmul on it while the block is in its cache; a
+// region per block and per step (dequantize, then matmul) cost more in barriers than the work
+// when the cores are shared.
+template <typename T>
 void dequantized_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                         const at::Tensor& bias, at::Tensor& out) {
-  const at::Tensor x32 = x.to(at::kFloat);
-  const int64_t N = weight.size(0);
-  for (int64_t start = 0; start < N; start += DEQUANTIZE_BLOCK) {
-    const int64_t size = std::min(DEQUANTIZE_BLOCK, N - start);
-    const at::Tensor w = weight.narrow(0, start, size).to(at::kFloat) *
-                         scales.narrow(0, start, size).unsqueeze(1);
-    at::Tensor block = at::linear(x32, w);
-    if (bias.defined()) block.add_(bias.narrow(0, start, size));
-    out.narrow(1, start, size).copy_(block);
-  }
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t fit = BLOCK_BYTES / (K * static_cast<int64_t>(sizeof(T)));
+  const int64_t per_thread = (N + at::get_num_threads() - 1) / at::get_num_threads();
+  const int64_t block = std::max<int64_t>(
+      BLOCK_ALIGN, std::min(fit, per_thread + BLOCK_ALIGN - 1) / BLOCK_ALIGN * BLOCK_ALIGN);
+  const int64_t num_blocks = (N + block - 1) / block;
+  const int8_t* q = static_cast<const int8_t*>(weight.data_ptr());
+  const float* s = static_cast<const float*>(scales.data_ptr());
+  const at::ThreadLocalState caller;  // inference mode, grad mode: ATen calls in the threads
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    const at::ThreadLocalStateGuard as_caller(caller);
+    // Kept per thread: a fresh cache-sized allocation each call is mapped and faulted in page
+    // by page, which cost as much as the dequantization.
+    thread_local std::vector<char> buffer;
+    buffer.resize(std::max<size_t>(buffer.size(), block * K * sizeof(T)));
+    T* w = reinterpret_cast<T*>(buffer.data());
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * block, size = std::min(block, N - start);
+      dequantize_rows<T>(q, s, K, start, start + size, w);
+      const at::Tensor part = at::linear(
+          x, at::from_blob(w, {size, K}, x.options()),
+          bias.defined() ? std::optional<at::Tensor>(bias.narrow(0, start, size)) : std::nullopt);
+      out.narrow(1, start, size).copy_(part);
+    }
+  });
 }
 
 }  // namespace
@@ -139,14 +190,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  if (x.size(0) > MAX_WIDENED_ROWS) {
-    dequantized_linear(x, weight, scales, b, out);
-    return out;
-  }
+  const bool widen = x.size(0) <= MAX_WIDENED_ROWS;
   switch (x.scalar_type()) {
-    case at::kFloat: int8_linear_impl<float>(x, weight, scales, b, out); break;
-    case at::kBFloat16: int8_linear_impl<c10::BFloat16>(x, weight, scales, b, out); break;
-    case at::kHalf: int8_linear_impl<c10::Half>(x, weight, scales, b, out); break;
+    case at::kFloat:
+      widen ? int8_linear_impl<float>(x, weight, scales, b, out)
+            : dequantized_linear<float>(x, weight, scales, b, out);
+      break;
+    case at::kBFloat16:
+      widen ? int8_linear_impl<c10::BFloat16>(x, weight, scales, b, out)
+            : dequantized_linear<c10::BFloat16>(x, weight, scales, b, out);
+      break;
+    case at::kHalf:
+      widen ? int8_linear_impl<c10::Half>(x, weight, scales, b, out)
+            : dequantized_linear<c10::Half>(x, weight, scales, b, out);
+      break;
     default: TORCH_CHECK(false, "int8_linear: activations must be float32, bfloat16 or float16");
   }
   return out;

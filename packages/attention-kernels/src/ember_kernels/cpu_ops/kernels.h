@@ -28,7 +28,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
     const at::Tensor& cos_sin_cache, bool is_neox_style);
 
 // y = (x q^T) * scales + bias for an int8 weight q [N, K] with float32 scales [N] (one per output
-// channel); x [M, K] float32/bfloat16/float16, y [M, N] in x's dtype, summed in float32.
+// channel); x [M, K] float32/bfloat16/float16, y [M, N] in x's dtype, summed in float32 (above
+// 4 rows, over the weight dequantized to x's dtype).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
 

@@ -190,6 +190,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
         self._cpu_stack = None
         self._cpu_stack_caches = None  # the first layer's caches when the stack was built
+        self._cpu_stack_kernels = None  # whether the compiled kernels were there then
 
     def forward(
         self,
@@ -231,10 +232,12 @@ class DecoderModel(nn.Module):
         ):
             return None
         caches = self.layers[self.start_layer].self_attn.attn.kv_cache
-        if caches is not self._cpu_stack_caches:
+        # Also when the compiled kernels became ready (built in the background) since.
+        kernels = caches is not None and caches[0].is_cpu and ek.cpu_ops.available()
+        if caches is not self._cpu_stack_caches or kernels != self._cpu_stack_kernels:
             layers = list(self.layers)[self.start_layer : self.end_layer]
             self._cpu_stack = build_cpu_stack(layers)
-            self._cpu_stack_caches = caches
+            self._cpu_stack_caches, self._cpu_stack_kernels = caches, kernels
         return self._cpu_stack
 
 
