@@ -354,6 +354,8 @@ def _print_table(name: str, dtype: str, size: dict, figures: dict) -> None:
     steal = ", ".join(f"{e} {f['cpu_steal_pct']:.0f}%" for e, f in figures.items())
     print(f"CPU steal during the runs: {steal}")
     ember = figures["ember"]
+    if "ttft_cold_ms" not in ember:
+        return  # --offline-only
     print(f"Ember cached / cold TTFT: {ember['ttft_cached_ms'] / ember['ttft_cold_ms']:.0%}")
     top = f"conc{size['concurrency'][-1]}"
     efficiency = ", ".join(f"{e} {f[top] / f['fixed']:.2f}" for e, f in figures.items())
