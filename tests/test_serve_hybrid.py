@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_serve_moe import FLAGS, test_completions_and_chat_match_the_offline_api
+from test_serve_moe import FLAGS, check_openai_answers_match_offline
 
 from ember_testing.serve_process import ServeProcess
 from ember_testing.tiny_models import tiny_model_path
-
-__all__ = ["test_completions_and_chat_match_the_offline_api"]  # run here with this fixture
 
 
 @pytest.fixture(scope="module", params=["gemma3_text", "bamba"])
@@ -21,3 +19,7 @@ def served(request, tmp_path_factory):
     with ServeProcess([path, *FLAGS], tmp_path_factory.mktemp("serve")) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
         yield path, client
+
+
+def test_completions_and_chat_match_the_offline_api(served):
+    check_openai_answers_match_offline(*served)

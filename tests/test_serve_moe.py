@@ -57,8 +57,8 @@ def offline(path: str, prompts: list[str], max_tokens: int) -> list[str]:
         llm.shutdown()
 
 
-def test_completions_and_chat_match_the_offline_api(served):
-    path, client, server = served
+def check_openai_answers_match_offline(path: str, client: openai.OpenAI) -> None:
+    """Completions (with logprobs), chat and streamed chat answer as the offline API does."""
     [model] = [m.id for m in client.models.list().data]
     completions = [
         client.completions.create(
@@ -78,6 +78,11 @@ def test_completions_and_chat_match_the_offline_api(served):
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert chat.choices[0].message.content == streamed
     assert chat.usage.completion_tokens == 10
+
+
+def test_completions_and_chat_match_the_offline_api(served):
+    path, client, server = served
+    check_openai_answers_match_offline(path, client)
     if "--expert-load-log-interval" in CASES[arch_case(path)][1]:
         # Every 4 steps rank 0 logs the load summed over both ranks (each routed only its slice).
         lines = [x for x in server.log.read_text().splitlines() if "expert load over 4 steps" in x]
