@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +36,8 @@ class OnDevice:
 
     def __getattr__(self, name):
         fn = getattr(self._module, name)
+        if isinstance(fn, types.ModuleType):  # TRITON.lora.lora_shrink: wrap the submodule too
+            return OnDevice(fn, self._device)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):

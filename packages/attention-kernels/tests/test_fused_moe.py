@@ -120,7 +120,8 @@ def test_expert_map_drops_experts_held_elsewhere(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("tokens", "hidden", "inter", "experts", "top_k"),
-    [(1, 64, 48, 8, 2), (45, 80, 40, 6, 3), (3, 32, 64, 16, 1)],
+    # Decode-sized, mid-sized and large runs per expert: each picks its own tile sizes.
+    [(1, 64, 48, 8, 2), (45, 80, 40, 6, 3), (3, 32, 64, 16, 1), (300, 32, 48, 2, 2)],
 )
 def test_triton_experts_match_reference(dtype, tokens, hidden, inter, experts, top_k):
     gen, seed = fresh_generator()

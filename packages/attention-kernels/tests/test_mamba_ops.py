@@ -160,3 +160,54 @@ def test_triton_prefill_scan_matches_the_chunked_torch_scan():
     )  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(states.cpu(), want_states, atol=1e-4, rtol=1e-4)
+
+
+def _poison_fresh_slots(states, slots, has_initial):
+    """A copy of ``states`` whose fresh requests' slots hold NaN and inf, and one with zeros."""
+    fresh = slots[~has_initial]
+    poisoned, zeroed = states.clone(), states.clone()
+    poisoned[fresh] = float("nan")
+    poisoned[fresh, ..., 0] = float("inf")
+    zeroed[fresh] = 0.0
+    return poisoned, zeroed
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_a_fresh_slot_reads_as_zeros_whatever_its_memory_holds(kernel):
+    # Freed cache memory can hold anything (on a GPU it often does): a fresh request's state
+    # must be zeros, not the slot's bytes times zero (NaN * 0 is NaN).
+    from ember_kernels.mamba import triton_ops
+
+    device = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"
+    ops = triton_ops if kernel == "triton" else torch_ops
+    scan = triton_ops.varlen_scan if kernel == "triton" else torch_ops.ssd_chunk_scan_varlen
+    states, args = decode_inputs(5)
+    *inputs, slots, has_initial = (a.to(device) for a in args)
+    poisoned, zeroed = _poison_fresh_slots(states.to(device), slots, has_initial)
+    got = ops.selective_state_update(poisoned, *inputs, slots, has_initial)
+    want = ops.selective_state_update(zeroed, *inputs, slots, has_initial)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert torch.equal(poisoned[slots], zeroed[slots])
+
+    gen = torch.Generator().manual_seed(6)
+    A, D, dt_bias = params(gen)
+    qsl, x, dt, B, C = (t.to(device) for t in batch(gen, [3, 4]))
+    slots, has_initial = (
+        torch.tensor([1, 0], device=device),
+        torch.tensor([False, True], device=device),
+    )
+    states = torch.randn(2, HEADS, HEAD_DIM, STATE, generator=gen).to(device)
+    poisoned, zeroed = _poison_fresh_slots(states, slots, has_initial)
+    inputs = (x, dt, A.to(device), B, C, D.to(device), dt_bias.to(device))
+    got = scan(*inputs, poisoned, slots, qsl, has_initial, 4)
+    want = scan(*inputs, zeroed, slots, qsl, has_initial, 4)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+    if kernel == "torch":  # the convolution has one implementation, torch on every device
+        windows = torch.randn(2, CHANNELS, WIDTH - 1, generator=gen)
+        poisoned, zeroed = _poison_fresh_slots(windows, slots, has_initial)
+        x = torch.randn(7, CHANNELS, generator=gen)
+        weight, bias = torch.randn(CHANNELS, WIDTH, generator=gen), torch.randn(CHANNELS)
+        got = torch_ops.causal_conv1d_varlen(x, weight, bias, poisoned, slots, qsl, has_initial)
+        want = torch_ops.causal_conv1d_varlen(x, weight, bias, zeroed, slots, qsl, has_initial)
+        assert torch.isfinite(got).all() and torch.equal(got, want)

@@ -53,8 +53,9 @@ def causal_conv1d_varlen(
     rows = _token_rows(query_start_loc, num_tokens)
     # Each request's window before its tokens, then its tokens: one extended sequence in which
     # request r's tokens sit (r + 1) * history places further on than in x.
+    # where, not a product: a fresh slot's memory may hold NaN or inf, and NaN * 0 is NaN.
     initial = conv_states[state_indices].to(x.dtype)
-    initial = initial * has_initial_state.to(x.dtype)[:, None, None]
+    initial = torch.where(has_initial_state.bool()[:, None, None], initial, 0)
     token_at = torch.arange(num_tokens, device=x.device) + (rows + 1) * history
     starts = query_start_loc[:-1].long() + torch.arange(num_reqs, device=x.device) * history
     window_at = starts[:, None] + torch.arange(history, device=x.device)[None]
@@ -109,11 +110,11 @@ def selective_state_update(
     num_heads = x.shape[1]
     dt = _discretized_dt(dt, dt_bias, dt_limit)  # [R, H]
     decay = torch.exp(dt * A.float())
-    if has_initial_state is not None:  # a fresh request's slot is read as zeros
-        decay = decay * has_initial_state.float()[:, None]
     xf = x.float()
     # The state is the one large tensor: gathered once, updated in place, scattered once.
     state = ssm_states[state_indices].to(torch.float32, copy=True)
+    if has_initial_state is not None:  # a fresh request's slot is read as zeros (where: NaN * 0)
+        state = torch.where(has_initial_state.bool()[:, None, None, None], state, 0)
     state.mul_(decay[:, :, None, None]).addcmul_(
         (dt[:, :, None] * xf)[..., None], _per_head(B, num_heads)[:, :, None, :]
     )
@@ -177,7 +178,8 @@ def ssd_chunk_scan_varlen(
     # running total of the chunks' log decays.
     to_end = torch.exp(log_decay[:, :, -1:, :] - log_decay)  # [R, c, l, H]
     chunk_states = torch.einsum("rclhn,rclhp->rchpn", Bh * to_end[..., None], xdt)
-    initial = ssm_states[state_indices].float() * has_initial_state.float()[:, None, None, None]
+    initial = ssm_states[state_indices].float()
+    initial = torch.where(has_initial_state.bool()[:, None, None, None], initial, 0)
     summed = torch.cat([initial[:, None], chunk_states], dim=1)  # [R, c + 1, H, P, N]
     totals = F.pad(torch.cumsum(log_decay[:, :, -1, :], dim=1), (0, 0, 1, 0))  # [R, c + 1, H]
     steps = torch.ones(num_chunks + 1, num_chunks + 1, dtype=torch.bool, device=x.device).tril()

@@ -24,7 +24,7 @@ def _state_update_kernel(
     n_ok = n < STATE
     group = head // (HEADS // GROUPS)
     slot = tl.load(slot_ptr + req).to(tl.int64)
-    keep = tl.load(init_ptr + req).to(tl.float32)  # 0: a fresh request, its slot read as zeros
+    keep = tl.load(init_ptr + req) != 0  # False: a fresh request, its slot read as zeros
 
     dt = tl.load(dt_ptr + req * HEADS + head).to(tl.float32)
     dt += tl.load(dt_bias_ptr + head).to(tl.float32)
@@ -38,7 +38,8 @@ def _state_update_kernel(
     C = tl.load(C_ptr + bc, mask=n_ok, other=0.0).to(tl.float32)
     rows = ((slot * HEADS + head) * HEAD_DIM + p)[:, None] * STATE + n[None, :]
     mask = p_ok[:, None] & n_ok[None, :]
-    state = tl.load(state_ptr + rows, mask=mask, other=0.0).to(tl.float32) * keep
+    # where, not a product: a fresh slot's memory may hold NaN or inf, and NaN * 0 is NaN.
+    state = tl.where(keep, tl.load(state_ptr + rows, mask=mask, other=0.0).to(tl.float32), 0.0)
     state = state * decay + (dt * x)[:, None] * B[None, :]
     tl.store(state_ptr + rows, state.to(state_ptr.dtype.element_ty), mask=mask)
     y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + head).to(tl.float32) * x
@@ -98,10 +99,11 @@ def _varlen_scan_kernel(
     n_ok = n < STATE
     group = head // (HEADS // GROUPS)
     slot = tl.load(slot_ptr + req).to(tl.int64)
-    keep = tl.load(init_ptr + req).to(tl.float32)
+    keep = tl.load(init_ptr + req) != 0
     rows = ((slot * HEADS + head) * HEAD_DIM + p)[:, None] * STATE + n[None, :]
     mask = p_ok[:, None] & n_ok[None, :]
-    state = tl.load(state_ptr + rows, mask=mask, other=0.0).to(tl.float32) * keep
+    # where, not a product: a fresh slot's memory may hold NaN or inf, and NaN * 0 is NaN.
+    state = tl.where(keep, tl.load(state_ptr + rows, mask=mask, other=0.0).to(tl.float32), 0.0)
     A = tl.load(A_ptr + head).to(tl.float32)
     D = tl.load(D_ptr + head).to(tl.float32)
     bias = tl.load(dt_bias_ptr + head).to(tl.float32)

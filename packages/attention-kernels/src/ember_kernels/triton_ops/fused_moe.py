@@ -6,8 +6,12 @@ no host sync: the block count is the upper bound ``ceil(slots / BLOCK_M) + exper
 blocks marked -1 and skipped). A program multiplies one row block by one column block of its
 expert's weight: first ``hidden @ w13[e]^T`` into ``[slots, 2 * intermediate]`` (rows gathered
 from the token of each slot), then SiLU-and-mul, then ``act @ w2[e]^T`` scaled by the slot's
-routing weight into ``[slots, hidden]``; the ``top_k`` rows of a token are summed last. Operands
-are converted to float32 as they are loaded and the dots run in IEEE float32.
+routing weight into ``[slots, hidden]``; the ``top_k`` rows of a token are summed last.
+Half-precision operands (bf16, fp16) go to the tensor cores as they are, accumulating in
+float32; where either is float32 both are float32 and the dots run in IEEE float32 (not tf32:
+float32 models must match their reference token for token). Tile sizes follow the rows each
+expert gets: decode-sized batches are bound by reading the experts' weights (narrow row tiles,
+long K steps), large ones by arithmetic (wide tiles).
 """
 
 from __future__ import annotations
@@ -19,9 +23,17 @@ import triton.language as tl
 from ember_kernels.moe.grouping import local_expert_ids
 from ember_kernels.triton_ops.activation import silu_and_mul
 
-BLOCK_M = 16
-BLOCK_N = 32
-BLOCK_K = 32
+# (slots per expert up to, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), first match wins.
+TILES_HALF = ((16, 16, 64, 128, 4, 4), (128, 64, 64, 64, 4, 4), (None, 128, 128, 64, 8, 3))
+TILES_FLOAT32 = ((16, 16, 64, 64, 4, 3), (None, 64, 64, 32, 4, 3))
+
+
+def _tiles(num_slots: int, num_experts: int, float32: bool) -> tuple[int, ...]:
+    per_expert = num_slots / num_experts
+    for limit, *tile in TILES_FLOAT32 if float32 else TILES_HALF:
+        if limit is None or per_expert <= limit:
+            return tuple(tile)
+    raise AssertionError("the last tile has no limit")
 
 
 @triton.jit
@@ -42,6 +54,7 @@ def _expert_matmul_kernel(
     stride_cm,
     A_ROW_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    FLOAT32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -66,13 +79,16 @@ def _expert_matmul_kernel(
             a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         w = tl.load(
             w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
             mask=k_ok[:, None] & n_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(a, w, input_precision="ieee")
+        )
+        if FLOAT32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
     if MUL_WEIGHT:
         routing = tl.load(weights_ptr + slots, mask=row_ok, other=0.0)
         acc = acc * routing[:, None]
@@ -109,10 +125,11 @@ def _expert_blocks(
     return sorted_slots, block_experts
 
 
-def _grouped_matmul(a, w, c, weights, sorted_slots, block_experts, a_row_div, mul_weight):
+def _grouped_matmul(a, w, c, weights, sorted_slots, block_experts, a_row_div, mul_weight, tiles):
     num_slots, n = c.shape
     k = w.shape[2]
-    grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
+    block_m, block_n, block_k, num_warps, num_stages = tiles
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
         a,
         w,
@@ -130,9 +147,12 @@ def _grouped_matmul(a, w, c, weights, sorted_slots, block_experts, a_row_div, mu
         c.stride(0),
         A_ROW_DIV=a_row_div,
         MUL_WEIGHT=mul_weight,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        FLOAT32=torch.float32 in (a.dtype, w.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -152,14 +172,15 @@ def fused_experts(
     hidden = hidden.contiguous()
     num_experts = w13.shape[0]
     local = local_expert_ids(topk_ids, num_experts, expert_map)
-    sorted_slots, block_experts = _expert_blocks(local, num_experts, BLOCK_M)
     num_slots = local.numel()
+    tiles = _tiles(num_slots, num_experts, torch.float32 in (hidden.dtype, w13.dtype, w2.dtype))
+    sorted_slots, block_experts = _expert_blocks(local, num_experts, tiles[0])
     weights = topk_weights.reshape(-1).float().contiguous()
     # Slots of experts held elsewhere are never written: they must read as zero in the sum.
     alloc = torch.empty if expert_map is None else torch.zeros
     gate_up = alloc(num_slots, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_matmul(hidden, w13, gate_up, weights, sorted_slots, block_experts, top_k, False)
+    _grouped_matmul(hidden, w13, gate_up, weights, sorted_slots, block_experts, top_k, False, tiles)
     act = silu_and_mul(gate_up)
     down = alloc(num_slots, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    _grouped_matmul(act, w2, down, weights, sorted_slots, block_experts, 1, True)
+    _grouped_matmul(act, w2, down, weights, sorted_slots, block_experts, 1, True, tiles)
     return down.view(num_tokens, top_k, -1).sum(dim=1)
