@@ -55,3 +55,28 @@ def test_experts_without_the_compiled_kernel_let_the_stacked_weights_go(monkeypa
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     experts.pack_weights()
     assert experts._packed is not None and experts.w13_weight is None and experts.w2_weight is None
+
+
+def test_a_first_start_keeps_the_weights_stacked_without_waiting_for_the_build(monkeypatch):
+    # The kernels still compiling in the background (an empty cache): loading must not wait for
+    # the compiler, and the experts take the layout the kernel will read; the torch path runs
+    # that layout until the build is done.
+    experts = _experts(torch.Generator().manual_seed(2))
+    if not can_pack_linear_weight(experts.w13_weight[0]):
+        pytest.skip("torch without oneDNN")
+    w13, w2 = experts.w13_weight.clone(), experts.w2_weight.clone()
+
+    def waits():
+        raise AssertionError("loading waited for the kernel build")
+
+    monkeypatch.setattr(cpu_ops, "building_now", lambda: True)
+    monkeypatch.setattr(cpu_ops, "available", waits)
+    experts.pack_weights()
+    assert experts._packed is None and torch.equal(experts.w13_weight, w13)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)  # a step while the build runs
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(3)])
+    weights = torch.rand(3, TOP_K, generator=gen)
+    expected = fused_experts_reference(x.double(), w13.double(), w2.double(), weights, ids)
+    torch.testing.assert_close(experts(x, weights, ids).double(), expected, rtol=1e-4, atol=1e-4)

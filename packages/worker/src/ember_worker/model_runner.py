@@ -75,10 +75,6 @@ class ModelRunner:
         self.step_threads = step_threads
         self.device = device
         self.pp = pp
-        if device.type == "cpu":
-            # Load the compiled kernels now, not in a step; a first build on this CPU runs in the
-            # background while the torch path serves (execute_model keeps each step on one path).
-            ek.cpu_ops.start_background_build()
         # Layers with different KV specs (Gemma's local and global) keep a table per group.
         self.kv_groups = kv_cache_groups(loaded.config)
         if len(self.kv_groups) > 1 and not (pp.is_first and pp.is_last):

@@ -15,6 +15,7 @@ import torch
 
 from ember_kernels.cpu_ops.build import (
     building_in_background,
+    building_now,
     load_library,
     settled_library,
 )
@@ -38,6 +39,14 @@ def available() -> bool:
         else:
             _step.available = load_library() is not None
     return _step.available
+
+
+def available_or_building() -> bool:
+    """Whether the compiled kernels are here or still being built in the background, without
+    waiting for that build: for a choice made once at load that outlives the build (a weight
+    layout the kernels read), so that a first start does not wait for the compiler. Until the
+    build is done, steps run the torch path on that choice."""
+    return building_now() or available()
 
 
 @contextlib.contextmanager

@@ -227,6 +227,11 @@ def building_in_background() -> bool:
     return "builder" in _state
 
 
+def building_now() -> bool:
+    """Whether a background build started by ``start_background_build`` is still running."""
+    return "builder" in _state and "module" not in _state
+
+
 def settled_library():
     """The library if settled and built, else None; never waits (see ``load_library``)."""
     return _state.get("module")

@@ -34,6 +34,18 @@ def runs_compiled(hidden: torch.Tensor, w13, w2) -> bool:
     )
 
 
+def keeps_stacked_weights(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the kernel will serve decoding on these stacked CPU weights (float32, bfloat16 or
+    float16), so that they should stay stacked: true while the kernels are still being built in
+    the background too (asked at load, which must not wait for the compiler)."""
+    return (
+        w13.device.type == "cpu"
+        and w13.dtype in DTYPES
+        and w13.dtype == w2.dtype
+        and cpu_ops.available_or_building()
+    )
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,

@@ -15,6 +15,7 @@ import dataclasses
 import msgspec
 import torch
 
+import ember_kernels as ek
 from ember_kv_cache import (
     DEFAULT_HASH_ALGO,
     HASH_ALGOS,
@@ -138,6 +139,11 @@ class Worker:
             # torch's intra-op threads are process-wide; loading and warm-up take the large count.
             torch.set_num_threads(self.step_threads.large)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            # Load the compiled kernels now, before the weights, whose layout may follow them; a
+            # first build on this CPU runs in the background while the torch path serves
+            # (execute_model keeps each step on one path) and loading does not wait for it.
+            ek.cpu_ops.start_background_build()
         self.loaded = load_model(
             config.model,
             dtype=config.dtype,

@@ -145,8 +145,7 @@ class FusedExperts(nn.Module):
         first = self.w13_weight[0]
         if not can_pack_linear_weight(first) or first.numel() < MIN_PACKED_ELEMENTS[first.dtype]:
             return
-        one_token = torch.empty(1, first.shape[1], dtype=first.dtype)
-        if cpu_experts.runs_compiled(one_token, self.w13_weight, self.w2_weight):
+        if cpu_experts.keeps_stacked_weights(self.w13_weight, self.w2_weight):
             return
         self._packed = (
             [pack_linear_weight(w) for w in self.w13_weight],
