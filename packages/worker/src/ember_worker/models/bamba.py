@@ -20,7 +20,7 @@ from ember_worker.models.decoder import DecoderAttention, DecoderForCausalLM
 from ember_worker.models.mamba_config import MambaHybridConfig
 from ember_worker.models.mamba_mixer import Mamba2Mixer, MambaStepMetadata
 from ember_worker.models.mlp import DecoderMLP
-from ember_worker.models.norm import RMSNorm
+from ember_worker.models.norm import RMSNorm, pre_norm_block
 
 
 class BambaLayer(nn.Module):
@@ -48,17 +48,14 @@ class BambaLayer(nn.Module):
         metadata: AttentionMetadata,
         step: MambaStepMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         if self.is_mamba:
-            hidden_states = self.mamba(hidden_states, step)
+            mixer = lambda normed: self.mamba(normed, step)  # noqa: E731
         else:
-            hidden_states = self.self_attn(positions, hidden_states, metadata)
-        hidden_states, residual = self.pre_ff_layernorm(hidden_states, residual)
-        return self.feed_forward(hidden_states), residual
+            mixer = lambda normed: self.self_attn(positions, normed, metadata)  # noqa: E731
+        return pre_norm_block(
+            hidden_states, residual, self.input_layernorm, mixer, self.pre_ff_layernorm,
+            self.feed_forward,
+        )  # fmt: skip
 
 
 class BambaModel(nn.Module):

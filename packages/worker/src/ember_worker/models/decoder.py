@@ -34,7 +34,7 @@ from ember_worker.models.cpu_stack import build_cpu_stack
 from ember_worker.models.mla import MlaAttention
 from ember_worker.models.mlp import DecoderMLP
 from ember_worker.models.moe import FusedExperts, SparseMoeBlock, expert_weight_target
-from ember_worker.models.norm import RMSNorm
+from ember_worker.models.norm import RMSNorm, pre_norm_block
 
 
 class DecoderAttention(nn.Module):
@@ -139,14 +139,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return pre_norm_block(
+            hidden_states,
+            residual,
+            self.input_layernorm,
+            lambda normed: self.self_attn(positions, normed, metadata),
+            self.post_attention_layernorm,
+            self.mlp,
+        )
 
 
 class MissingLayer(nn.Module):
