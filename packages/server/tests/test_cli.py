@@ -96,6 +96,17 @@ def test_no_model_means_the_demo_model(caplog):
     assert 1e6 < size < 20e6  # "a few MB"
 
 
+def test_a_written_demo_model_is_found_without_importing_transformers():
+    # A start with the demo model must not spend seconds importing transformers to name a
+    # folder it wrote before (the engine core's start waits behind it).
+    path = demo_model_path()
+    code = (
+        "import sys; from ember_server.cli.demo_model import demo_model_path; "
+        f"assert demo_model_path() == {path!r}; assert 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_serve_parser_flags_name_every_parser(capsys):
     args = _parse("serve", "--tool-call-parser", "qwen3_xml", "--reasoning-parser", "deepseek_r1")
     assert (args.tool_call_parser, args.reasoning_parser) == ("qwen3_xml", "deepseek_r1")

@@ -13,7 +13,9 @@ factory (``ember_testing.tiny_models``) builds its architectures on it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -98,6 +100,20 @@ def random_model_path(
     writes transformers' ``*ForSequenceClassification`` (a ``score`` head of ``num_labels``)
     instead of the causal LM.
     """
+    kind = f"{model_type}-cls" if sequence_classification else model_type
+    # The folder's name digests transformers' full config, which takes importing transformers
+    # (seconds, on every start); a note named by the arguments and transformers' version finds
+    # a folder written before without that import.
+    request = dict(
+        v=FACTORY_VERSION, arch=kind, seed=seed, shard=max_shard_size,
+        config={**BASE_CONFIG, **config}, transformers=_transformers_version(),
+    )  # fmt: skip
+    note = cache_dir() / f".{kind}-request-{_digest(request)}"
+    with contextlib.suppress(OSError):
+        written = cache_dir() / note.read_text().strip()
+        if written.is_dir():
+            return written
+
     from transformers import AutoConfig
 
     model_config = AutoConfig.for_model(model_type, **{**BASE_CONFIG, **config})
@@ -130,8 +146,24 @@ def random_model_path(
         for item in tokenizer.iterdir():
             shutil.copy2(item, out / item.name)
 
-    kind = f"{model_type}-cls" if sequence_classification else model_type
-    return _write_atomically(cache_dir() / f"{kind}-{_digest(spec)}", write)
+    target = _write_atomically(cache_dir() / f"{kind}-{_digest(spec)}", write)
+    with contextlib.suppress(OSError):  # a read-only cache still serves, only slower
+        _write_note(note, target.name)
+    return target
+
+
+def _transformers_version() -> str:
+    """transformers' installed version, read from its metadata (no import)."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _write_note(note: pathlib.Path, text: str) -> None:
+    tmp = note.with_name(f"{note.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(note)
 
 
 def tokenizer_path() -> pathlib.Path:
