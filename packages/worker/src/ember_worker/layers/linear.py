@@ -142,8 +142,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features split across the group and the output summed;
-    ``weight_scale`` and ``quantize_activations`` as ``ColumnParallelLinear``'s (the scales are
-    per output channel, so every rank holds them whole)."""
+    ``weight_scale`` and ``quantize_activations`` as ``ColumnParallelLinear``'s (a checkpoint's
+    per-channel scales are held whole by every rank; group-wise ones, quantized after loading,
+    are those of the rank's own input slice)."""
 
     quantize_activations = False
     # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
