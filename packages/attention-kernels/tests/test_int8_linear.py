@@ -42,6 +42,9 @@ def test_group_wise_round_trip_within_half_a_step_of_each_group():
     assert torch.equal(q.view(24, 3, 64).abs().amax(2)[groups > 0], torch.full((71,), INT8_MAX))
     error = (dequantize_int8(q, scales, torch.float32) - weight).view(24, 3, 64).abs()
     assert (error <= scales[:, :, None] / 2 + 1e-7 * weight.abs().view(24, 3, 64)).all()
+    # a column-major weight (as the loader's transposed parameters) quantizes the same
+    column_major = quantize_int8(weight.t().contiguous().t(), 64)
+    assert torch.equal(column_major[0], q) and torch.equal(column_major[1], scales)
     # finer scales follow each group's range: smaller errors than one scale per channel
     per_channel = dequantize_int8(*quantize_int8(weight), torch.float32) - weight
     assert error.square().sum() < per_channel.square().sum() / 2

@@ -60,12 +60,12 @@ def quantize_int8(
             f"features, got {group_size}"
         )
     groups = 1 if group_size is None else in_features // group_size
-    w = weight.float().view(out_features, groups, -1)
+    w = weight.float().reshape(out_features, groups, -1)
     amax = w.abs().amax(dim=2, keepdim=True)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     scales = scales.view(out_features) if group_size is None else scales.view(out_features, groups)
-    return q.view(out_features, in_features).contiguous(), scales.contiguous()
+    return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
 
 
 def check_scales(q: torch.Tensor, scales: torch.Tensor) -> None:
@@ -85,8 +85,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     """``q`` times its scales, each over its group (``quantize_int8``), in ``dtype``: the weight
     ``int8_linear`` multiplies by."""
     groups = 1 if scales.dim() == 1 else scales.shape[1]
-    w = q.float().view(q.shape[0], groups, -1) * scales.view(q.shape[0], groups, 1)
-    return w.view(q.shape).to(dtype)
+    w = q.float().reshape(q.shape[0], groups, -1) * scales.reshape(q.shape[0], groups, 1)
+    return w.reshape(q.shape).to(dtype)
 
 
 def int8_linear(
