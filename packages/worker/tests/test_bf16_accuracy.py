@@ -13,6 +13,8 @@ generation runs it; transformers scores prompt and continuation in one forward.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -45,6 +47,7 @@ def _metadata(q_lens: list[int], seq_lens: list[int], blocks_per_seq: int) -> At
     )
 
 
+@functools.cache  # per model, shared by the tests here
 def _references(path) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompts [P, PROMPT_LEN], greedy float32 continuations [P, CONTINUATION])."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -58,7 +61,9 @@ def _references(path) -> tuple[torch.Tensor, torch.Tensor]:
     return prompts, out[:, PROMPT_LEN:]
 
 
-def _hf_agreement(path, dtype, prompts, continuations) -> float:
+@functools.cache
+def _hf_agreement(path, dtype) -> float:
+    prompts, continuations = _references(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         logits = hf(torch.cat([prompts, continuations], 1)).logits
@@ -91,7 +96,7 @@ def test_bf16_agrees_with_fp32_as_often_as_transformers_bf16(tiny_model):
     path = tiny_model("llama", **SIZES)
     prompts, continuations = _references(path)
     assert _ember_agreement(path, torch.float32, prompts, continuations) == 1.0
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
     ember_bf16 = _ember_agreement(path, torch.bfloat16, prompts, continuations)
     print(f"agreement with fp32: transformers bf16 {hf_bf16:.3f}, Ember bf16 {ember_bf16:.3f}")
     assert ember_bf16 >= hf_bf16 - 0.01
@@ -101,7 +106,7 @@ def _int8_shortfall(tiny_model, seed: int, dtype: torch.dtype) -> float:
     """Transformers bfloat16's agreement less Ember int8 weight-only's, on the model of ``seed``."""
     path = tiny_model("llama", seed=seed, **SIZES)
     prompts, continuations = _references(path)
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
     int8 = _ember_agreement(path, dtype, prompts, continuations, "int8_weight_only")
     print(f"seed {seed}: transformers bf16 {hf_bf16:.3f}, Ember int8 {dtype} {int8:.3f}")
     return hf_bf16 - int8
@@ -125,7 +130,7 @@ def test_w8a8_checkpoint_agreement_stays_where_measured(tiny_model):
     bfloat16 (85-87% against 95%), and this guards that level (12 points)."""
     path = tiny_model("llama", **SIZES)
     prompts, continuations = _references(path)
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
     w8a8_path = tiny_w8a8_model_path("llama", **SIZES)
     for dtype in (torch.bfloat16, torch.float32):
         w8a8 = _ember_agreement(w8a8_path, dtype, prompts, continuations)
