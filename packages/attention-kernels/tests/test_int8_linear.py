@@ -80,8 +80,9 @@ def _reference(x, q, scales, bias):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 16, 21])
 @pytest.mark.parametrize("bias", [False, True])
 # (in_features, group_size): per channel with a tail past the vector width; groups of 40, each
-# with a tail; the unrolled 64 and 128 over an odd number of groups
-@pytest.mark.parametrize("layout", [(200, None), (200, 40), (192, 64), (384, 128)])
+# with a tail; groups narrower than a vector (all tail); the unrolled 64 and 128 over an odd
+# number of groups
+@pytest.mark.parametrize("layout", [(200, None), (200, 40), (96, 12), (192, 64), (384, 128)])
 def test_int8_linear_matches_float64_reference(dtype, rows, bias, layout):
     torch.manual_seed(rows)
     (in_features, group_size), out_features = layout, 37
