@@ -8,7 +8,7 @@ copy: the embedding lookup keeps the float table) become int8 with a float32 sca
 cache keep the model's dtype, and so do the projections of ``FLOAT_PROJECTIONS``. The name is
 torchao's for this scheme (vLLM has no name for weight-only int8 of dense layers; it reaches
 torchao's through ``quantization="torchao"``). Under tensor parallelism each rank quantizes its
-own shards, so the scales are those of the full weight's groups that the rank holds.
+own shards, with the group size of its own input slice.
 
 ``compressed-tensors`` (vLLM's name): a checkpoint already quantized, W8A8 int8
 (``ember_worker.compressed_tensors``); found from its config.json whether named or not.
@@ -27,9 +27,9 @@ QUANTIZATION_METHODS = ("int8_weight_only", COMPRESSED_TENSORS)
 # Quantizations applied to a float checkpoint's weights after loading.
 POST_LOAD_METHODS = ("int8_weight_only",)
 # Projections int8_weight_only leaves in the model's dtype: the fused query/key/value projection,
-# whose rounding errors reach the attention scores and are amplified by the softmax. Measured by
-# teacher forcing (the worker README), quantizing it alone cost as many argmax agreements as the
-# other projections together; it holds about 5% of a Qwen2.5-0.5B's weights.
+# whose rounding errors move every attention score. Measured by teacher forcing (the worker
+# README), quantizing it alone cost about as many argmax agreements as the other projections and
+# the head together; it holds about 5% of a Qwen2.5-0.5B's weights.
 FLOAT_PROJECTIONS = ("qkv_proj",)
 
 
