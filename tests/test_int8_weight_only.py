@@ -1,6 +1,7 @@
 """``quantization="int8_weight_only"`` through the offline API: greedy tokens equal, token for
-token, transformers in float32 run on the dequantized weights (each linear weight quantized per
-output channel, as every rank holds it), on one rank and under tensor parallelism."""
+token, transformers in float32 run on the dequantized weights (each linear weight but the q/k/v
+projections quantized with group-wise scales, as every rank holds it), on one rank and under tensor
+parallelism."""
 
 from __future__ import annotations
 
@@ -11,25 +12,33 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ember import LLM, SamplingParams
-from ember_kernels.int8_linear import dequantize_int8, quantize_int8
+from ember_kernels.int8_linear import dequantize_int8, quantize_int8, weight_group_size
 from ember_server import EngineArgs
 
 PROMPTS = ["def parse(self, text):", "Grüße aus Köln, 日本語", "the quick brown fox"]
 # Projections split along their input features under tensor parallelism: each rank quantizes its
 # own slice of the input columns.
 ROW_PARALLEL = ("o_proj", "down_proj")
+# transformers' names for the projections Ember fuses into qkv_proj (FLOAT_PROJECTIONS).
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def _round_trip(weight: torch.Tensor, input_slices: int) -> torch.Tensor:
     parts = weight.chunk(input_slices, dim=1)
-    return torch.cat([dequantize_int8(*quantize_int8(p), torch.float32) for p in parts], dim=1)
+    return torch.cat(
+        [
+            dequantize_int8(*quantize_int8(p, weight_group_size(p.shape[1])), torch.float32)
+            for p in parts
+        ],
+        dim=1,
+    )
 
 
 def _dequantized_hf(path, tensor_parallel_size: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear) and not name.endswith(QKV):
                 slices = tensor_parallel_size if name.endswith(ROW_PARALLEL) else 1
                 # a new tensor: a tied head's copy is quantized, the embedding stays float
                 module.weight = torch.nn.Parameter(_round_trip(module.weight, slices))

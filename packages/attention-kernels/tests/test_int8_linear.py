@@ -1,5 +1,5 @@
-"""Weight-only int8: per-channel quantization and the int8-weight matmul (compiled kernel and
-the dequantizing float path) against a float64 reference of the dequantized weight."""
+"""Weight-only int8: per-channel and group-wise quantization and the int8-weight matmul (compiled
+kernel and the dequantizing float path) against a float64 reference of the dequantized weight."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from ember_kernels import cpu_ops
-from ember_kernels.int8_linear import INT8_MAX, dequantize_int8, int8_linear, quantize_int8
+from ember_kernels.int8_linear import (
+    INT8_MAX,
+    dequantize_int8,
+    int8_linear,
+    quantize_int8,
+    weight_group_size,
+)
 from ember_kernels.packed_linear import linear
 
 
@@ -25,6 +31,33 @@ def test_quantize_round_trip_within_half_a_step():
     assert (error <= scales[:, None] / 2 + 1e-7 * weight.abs()).all()
 
 
+def test_group_wise_round_trip_within_half_a_step_of_each_group():
+    torch.manual_seed(5)
+    weight = torch.randn(24, 192) * torch.logspace(-2, 1, 192)  # ranges that differ per group
+    weight[3, 64:128] = 0.0
+    q, scales = quantize_int8(weight, 64)
+    assert q.shape == weight.shape and scales.shape == (24, 3) and scales.dtype == torch.float32
+    assert scales[3, 1] == 1.0 and not q[3, 64:128].any()
+    groups = weight.view(24, 3, 64).abs().amax(2)
+    assert torch.equal(q.view(24, 3, 64).abs().amax(2)[groups > 0], torch.full((71,), INT8_MAX))
+    error = (dequantize_int8(q, scales, torch.float32) - weight).view(24, 3, 64).abs()
+    assert (error <= scales[:, :, None] / 2 + 1e-7 * weight.abs().view(24, 3, 64)).all()
+    # a column-major weight (as the loader's transposed parameters) quantizes the same
+    column_major = quantize_int8(weight.t().contiguous().t(), 64)
+    assert torch.equal(column_major[0], q) and torch.equal(column_major[1], scales)
+    # finer scales follow each group's range: smaller errors than one scale per channel
+    per_channel = dequantize_int8(*quantize_int8(weight), torch.float32) - weight
+    assert error.square().sum() < per_channel.square().sum() / 2
+
+
+def test_group_size_must_divide_the_inputs():
+    for group_size in (48, 0, -40):
+        with pytest.raises(ValueError, match="group_size"):
+            quantize_int8(torch.randn(8, 200), group_size)
+    assert (weight_group_size(896), weight_group_size(4864)) == (128, 128)
+    assert (weight_group_size(192), weight_group_size(64), weight_group_size(200)) == (64, 64, 200)
+
+
 def test_quantize_refuses_non_float_or_non_matrix():
     with pytest.raises(ValueError, match="weight"):
         quantize_int8(torch.ones(4, 4, dtype=torch.int32))
@@ -36,7 +69,9 @@ WIDENED_MAX_ROWS = 4  # int8_linear.cpp's MAX_WIDENED_ROWS
 
 
 def _reference(x, q, scales, bias):
-    out = x.double() @ (q.double() * scales.double()[:, None]).T
+    groups = 1 if scales.dim() == 1 else scales.shape[1]
+    weight = q.double().view(q.shape[0], groups, -1) * scales.double().view(q.shape[0], groups, 1)
+    out = x.double() @ weight.view(q.shape).T
     return out if bias is None else out + bias.double()
 
 
@@ -44,10 +79,14 @@ def _reference(x, q, scales, bias):
 # up to 4 rows the compiled kernel widens weights in registers; above, it dequantizes blocks
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 16, 21])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_matches_float64_reference(dtype, rows, bias):
+# (in_features, group_size): per channel with a tail past the vector width; groups of 40, each
+# with a tail; groups narrower than a vector (all tail); the unrolled 64 and 128 over an odd
+# number of groups
+@pytest.mark.parametrize("layout", [(200, None), (200, 40), (96, 12), (192, 64), (384, 128)])
+def test_int8_linear_matches_float64_reference(dtype, rows, bias, layout):
     torch.manual_seed(rows)
-    in_features, out_features = 200, 72  # K not a multiple of the vector width: the tail runs
-    q, scales = quantize_int8(torch.randn(out_features, in_features))
+    (in_features, group_size), out_features = layout, 37
+    q, scales = quantize_int8(torch.randn(out_features, in_features), group_size)
     x = torch.randn(rows, in_features).to(dtype)
     b = torch.randn(out_features).to(dtype) if bias else None
     out = int8_linear(x, q, scales, b)
@@ -76,9 +115,10 @@ def test_int8_linear_takes_leading_dims_and_strided_rows():
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="compiled CPU kernels unavailable")
 @pytest.mark.parametrize("rows", [4, 40])
-def test_compiled_kernel_and_float_path_agree(rows):
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_compiled_kernel_and_float_path_agree(rows, group_size):
     torch.manual_seed(2)
-    q, scales = quantize_int8(torch.randn(3000, 512))
+    q, scales = quantize_int8(torch.randn(3000, 512), group_size)
     x = torch.randn(rows, 512)
     compiled = cpu_ops.int8_linear(x, q, scales, None)
     dequantized = x @ dequantize_int8(q, scales, torch.float32).T
@@ -94,6 +134,18 @@ def test_linear_dispatches_int8_and_needs_scales():
         linear(x, q)
     with pytest.raises(ValueError, match="q/scales"):
         int8_linear(x, q, scales.double())
+
+
+def test_int8_linear_refuses_scales_of_another_layout():
+    q, scales = quantize_int8(torch.randn(16, 96), 32)  # [16, 3]
+    x = torch.randn(2, 96)
+    five_groups = scales.repeat(1, 2)[:, :5]  # 5 does not divide 96
+    for bad in (five_groups, scales[:8], scales.reshape(-1), scales[None]):
+        with pytest.raises(ValueError, match="q/scales"):
+            int8_linear(x, q, bad.contiguous())
+    if cpu_ops.available():  # the compiled kernel's own check, which the decoder stack calls
+        with pytest.raises(ValueError, match="scales"):
+            cpu_ops.int8_linear(x, q, five_groups.contiguous(), None)
 
 
 def test_batched_int8_linear_runs_its_blocks_in_the_callers_inference_mode():

@@ -16,7 +16,7 @@ take turns (``--rounds``), so both see the same load; the engine runs with every
 
 A ``--dtypes`` entry ``bfloat16-int8`` (or ``float32-int8``) runs that dtype with
 ``quantization="int8_weight_only"``: its bytes per token count the linear weights and the head at
-one byte each plus their float32 scales; its batched peak is the matmul library's at the
+one byte each plus their float32 group scales (q/k/v stay in the dtype); its batched peak is the matmul library's at the
 activation dtype. An entry ``bfloat16-w8a8`` (or ``float32-w8a8``) runs the same model as a W8A8
 int8 compressed-tensors checkpoint (``ember_testing.tiny_models.tiny_w8a8_model_path``: int8
 per-channel weights, activations quantized per token): the LM head (tied) stays in the dtype.
@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from ember_kernels.int8_linear import weight_group_size
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_scheduler.engine_types import EngineCoreRequest
@@ -46,7 +47,7 @@ PROMPT, OUTPUT, BATCH = 64, 128, 32
 MAX_MODEL_LEN = 512
 
 
-INT8_SUFFIX = "-int8"  # int8 weight-only, the head included
+INT8_SUFFIX = "-int8"  # int8 weight-only, the head included, q/k/v in the dtype
 W8A8_SUFFIX = "-w8a8"  # a W8A8 checkpoint, the head in the dtype
 
 
@@ -100,9 +101,10 @@ def run(
 
 def decode_bytes(dtype: torch.dtype, output: int, quantized: str = "") -> float:
     """Bytes one batch-1 decode step reads: every weight (the embedding once, as the tied head)
-    and the KV cache at the mean context; quantized (``INT8_SUFFIX``), the linear weights and the
-    head at one byte each plus a float32 scale per output channel (the embedding table is then
-    not read but for one row); ``W8A8_SUFFIX``, the same with the head in ``dtype``."""
+    and the KV cache at the mean context; quantized (``INT8_SUFFIX``), the linear weights but
+    q/k/v (``FLOAT_PROJECTIONS``) and the head at one byte each plus a float32 scale per group of
+    inputs (the embedding table is then not read but for one row); ``W8A8_SUFFIX``, every linear
+    weight at one byte plus a float32 scale per output channel, the head in ``dtype``."""
     c = QWEN_05B
     hidden, inter, layers, head = c["hidden_size"], c["intermediate_size"], 24, 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
@@ -111,9 +113,15 @@ def decode_bytes(dtype: torch.dtype, output: int, quantized: str = "") -> float:
     kv_per_token = 2 * layers * kv
     mean_context = PROMPT + output / 2
     element = torch.empty((), dtype=dtype).element_size()
+    if quantized == INT8_SUFFIX:
+        # [out, in] of the int8 weights: o_proj, gate/up, down per layer, and the head
+        shapes = [(hidden, q), (2 * inter, hidden), (hidden, inter)] * layers
+        shapes.append((c["vocab_size"], hidden))
+        int8 = sum(out * k for out, k in shapes)
+        scales = sum(out * (k // weight_group_size(k)) for out, k in shapes)
+        return int8 + 4 * scales + (weights - int8 + kv_per_token * mean_context) * element
     if quantized:
-        with_head = quantized == INT8_SUFFIX
-        linear, rows = linear_params(with_head), linear_rows(with_head)
+        linear, rows = linear_params(with_head=False), linear_rows(with_head=False)
         return linear + 4 * rows + (weights - linear + kv_per_token * mean_context) * element
     return (weights + kv_per_token * mean_context) * element
 
@@ -127,7 +135,7 @@ def linear_params(with_head: bool = True) -> int:
 
 
 def linear_rows(with_head: bool = True) -> int:
-    """Output channels of the linear weights and (``with_head``) the head: one int8 scale each."""
+    """Output channels of the linear weights and (``with_head``) the head: one W8A8 scale each."""
     c = QWEN_05B
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], 64
     q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head

@@ -3,9 +3,9 @@ float32 transformers), the model's argmax is compared with that reference token.
 bfloat16 (packed weights, bfloat16 KV cache, the compiled kernels where they build) must agree on
 at least as many positions as transformers' own bfloat16 run of the same model, less 1 point;
 with int8 weight-only quantization (``quantization="int8_weight_only"``), in bfloat16 or float32
-activations, within 5 points of it. (The target is 3 points; on this model, which is chosen
-sensitive enough that bfloat16 rounding alone moves argmaxes, per-channel int8 measured 3.4-5
-points below transformers' bfloat16 over 1,280 positions and two seeds: see the worker README.)
+activations, within 3 points of it: on one model here (320 positions), and pooled over four
+seeds of it (1,280 positions, slow) since one seed's figure moves by a point or two with the
+seed. The model is chosen sensitive enough that bfloat16 rounding alone moves argmaxes.
 
 Ember prefills each prompt, then decodes the reference continuation one token per step, as
 generation runs it; transformers scores prompt and continuation in one forward.
@@ -13,6 +13,9 @@ generation runs it; transformers scores prompt and continuation in one forward.
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -44,6 +47,7 @@ def _metadata(q_lens: list[int], seq_lens: list[int], blocks_per_seq: int) -> At
     )
 
 
+@functools.cache  # per model, shared by the tests here
 def _references(path) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompts [P, PROMPT_LEN], greedy float32 continuations [P, CONTINUATION])."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -57,7 +61,9 @@ def _references(path) -> tuple[torch.Tensor, torch.Tensor]:
     return prompts, out[:, PROMPT_LEN:]
 
 
-def _hf_agreement(path, dtype, prompts, continuations) -> float:
+@functools.cache
+def _hf_agreement(path, dtype) -> float:
+    prompts, continuations = _references(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         logits = hf(torch.cat([prompts, continuations], 1)).logits
@@ -90,22 +96,32 @@ def test_bf16_agrees_with_fp32_as_often_as_transformers_bf16(tiny_model):
     path = tiny_model("llama", **SIZES)
     prompts, continuations = _references(path)
     assert _ember_agreement(path, torch.float32, prompts, continuations) == 1.0
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
     ember_bf16 = _ember_agreement(path, torch.bfloat16, prompts, continuations)
     print(f"agreement with fp32: transformers bf16 {hf_bf16:.3f}, Ember bf16 {ember_bf16:.3f}")
     assert ember_bf16 >= hf_bf16 - 0.01
 
 
-def test_int8_weight_only_agrees_within_5_points_of_transformers_bf16(tiny_model):
-    path = tiny_model("llama", **SIZES)
+def _int8_shortfall(tiny_model, seed: int, dtype: torch.dtype) -> float:
+    """Transformers bfloat16's agreement less Ember int8 weight-only's, on the model of ``seed``."""
+    path = tiny_model("llama", seed=seed, **SIZES)
     prompts, continuations = _references(path)
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
-    for dtype in (torch.bfloat16, torch.float32):
-        int8 = _ember_agreement(path, dtype, prompts, continuations, "int8_weight_only")
-        print(
-            f"agreement with fp32: transformers bf16 {hf_bf16:.3f}, Ember int8 {dtype} {int8:.3f}"
-        )
-        assert int8 >= hf_bf16 - 0.05
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
+    int8 = _ember_agreement(path, dtype, prompts, continuations, "int8_weight_only")
+    print(f"seed {seed}: transformers bf16 {hf_bf16:.3f}, Ember int8 {dtype} {int8:.3f}")
+    return hf_bf16 - int8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_weight_only_agrees_within_3_points_of_transformers_bf16(tiny_model, dtype):
+    assert _int8_shortfall(tiny_model, 0, dtype) <= 0.03
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_weight_only_within_3_points_pooled_over_seeds(tiny_model, dtype):
+    shortfalls = [_int8_shortfall(tiny_model, seed, dtype) for seed in range(4)]
+    assert sum(shortfalls) / len(shortfalls) <= 0.03
 
 
 def test_w8a8_checkpoint_agreement_stays_where_measured(tiny_model):
@@ -114,7 +130,7 @@ def test_w8a8_checkpoint_agreement_stays_where_measured(tiny_model):
     bfloat16 (85-87% against 95%), and this guards that level (12 points)."""
     path = tiny_model("llama", **SIZES)
     prompts, continuations = _references(path)
-    hf_bf16 = _hf_agreement(path, torch.bfloat16, prompts, continuations)
+    hf_bf16 = _hf_agreement(path, torch.bfloat16)
     w8a8_path = tiny_w8a8_model_path("llama", **SIZES)
     for dtype in (torch.bfloat16, torch.float32):
         w8a8 = _ember_agreement(w8a8_path, dtype, prompts, continuations)

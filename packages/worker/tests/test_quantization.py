@@ -1,4 +1,4 @@
-"""``quantization`` in the worker: what ``int8_weight_only`` replaces, that the numbers are those
+"""``quantization`` in the worker: what ``int8_weight_only`` replaces (and leaves in float), that the numbers are those
 of the dequantized weights, and that unknown names are refused."""
 
 from __future__ import annotations
@@ -7,36 +7,47 @@ import pytest
 import torch
 
 from ember_kernels import cpu_ops
-from ember_kernels.int8_linear import dequantize_int8
+from ember_kernels.int8_linear import dequantize_int8, weight_group_size
 from ember_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ember_worker.model_loader import load_model
 from ember_worker.models.cpu_stack import build_cpu_stack
-from ember_worker.quantization import check_quantization
+from ember_worker.quantization import FLOAT_PROJECTIONS, check_quantization
 
 
 def _projections(model):
-    return [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM heads
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_weight_only_quantizes_projections_and_head(tiny_model, arch, dtype):
-    path = tiny_model(arch)
+    path = tiny_model(arch, intermediate_size=256)  # down_proj: two groups of 128 inputs
     plain = load_model(path, dtype=dtype)
     int8 = load_model(path, dtype=dtype, pack_weights=True, quantization="int8_weight_only")
     assert int8.dtype == plain.dtype  # activations, norms and KV cache keep the dtype
-    for module in [*_projections(int8.model), int8.model.lm_head]:
+    for name, module in [*_projections(int8.model), ("lm_head", int8.model.lm_head)]:
+        if name.endswith(FLOAT_PROJECTIONS):
+            assert module.weight.dtype == plain.dtype and module.weight_scale is None
+            continue
         assert module.weight.dtype == torch.int8
         assert module.weight_scale.dtype == torch.float32
-        assert module.weight_scale.shape == (module.weight.shape[0],)
+        out_features, in_features = module.weight.shape
+        groups = in_features // weight_group_size(in_features)
+        assert module.weight_scale.shape == (out_features, groups)
     embedding = int8.model.model.embed_tokens.weight
     assert embedding.dtype == plain.dtype and not embedding.is_mkldnn
     torch.testing.assert_close(embedding, plain.model.model.embed_tokens.weight, rtol=0, atol=0)
     # the numbers are those of the plain model on the dequantized weights
-    for q_module, f_module in zip(
-        [*_projections(int8.model), int8.model.lm_head],
-        [*_projections(plain.model), plain.model.lm_head],
+    for (name, q_module), (_, f_module) in zip(
+        [*_projections(int8.model), ("lm_head", int8.model.lm_head)],
+        [*_projections(plain.model), ("lm_head", plain.model.lm_head)],
     ):
+        if name.endswith(FLOAT_PROJECTIONS):
+            continue
         f_module.weight = torch.nn.Parameter(
             dequantize_int8(q_module.weight, q_module.weight_scale, torch.float32).to(
                 f_module.weight.dtype

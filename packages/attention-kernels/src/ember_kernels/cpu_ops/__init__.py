@@ -126,8 +126,8 @@ def rotary_embedding(
 def int8_linear(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``(x q^T) * scales + bias`` for ``x [rows, in]`` and an int8 ``q [out, in]`` with float32
-    ``scales [out]`` (see ``ember_kernels.int8_linear``)."""
+    """``x (q * scales)^T + bias`` for ``x [rows, in]`` and an int8 ``q [out, in]`` with float32
+    ``scales [out]`` or ``[out, groups]`` (see ``ember_kernels.int8_linear``)."""
     return _library().int8_linear(
         x if x.stride(-1) == 1 else x.contiguous(), q.contiguous(), scales.contiguous(), bias
     )
@@ -212,8 +212,9 @@ def decoder_stack(
     q_norm, k_norm, o_proj, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias, key_cache,
     value_cache, sliding_window)`` (weights as ``[out, in]`` tensors, held, not copied; absent
     biases and norms as None; window 0 for none; int8 weights followed by
-    ``set_weight_scales(qkv, o_proj, gate_up, down, quantize_activations)`` with their
-    per-channel scales, and whether the activations are quantized per token: W8A8), and
+    ``set_weight_scales(qkv, o_proj, gate_up, down, quantize_activations)`` with their scales,
+    per channel or per group (None for a projection left in floating point), and whether the
+    activations are quantized per token: W8A8), and
     projections with LoRA slots followed by ``set_lora(projection, lora_a, lora_b_per_slice)``
     (0 qkv, 1 o_proj, 2 gate_up, 3 down; tensors as ``lora_shrink``/``lora_expand`` take them),
     then call ``forward(hidden_states, residual, positions, slot_mapping, block_table,

@@ -104,22 +104,31 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
                           held(down_bias), key_cache, value_cache, sliding_window});
 }
 
-void DecoderStack::set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up,
-                                     at::Tensor down, bool quantize_activations) {
+void DecoderStack::set_weight_scales(std::optional<at::Tensor> qkv,
+                                     std::optional<at::Tensor> o_proj,
+                                     std::optional<at::Tensor> gate_up,
+                                     std::optional<at::Tensor> down, bool quantize_activations) {
   TORCH_CHECK_VALUE(!layers_.empty(), "set_weight_scales: add a layer first");
   Layer& layer = layers_.back();
-  const std::pair<const at::Tensor*, const at::Tensor*> pairs[] = {
+  const std::pair<const at::Tensor*, const std::optional<at::Tensor>*> pairs[] = {
       {&layer.qkv, &qkv}, {&layer.o_proj, &o_proj}, {&layer.gate_up, &gate_up}, {&layer.down, &down}};
   for (const auto& [weight, scales] : pairs) {
-    TORCH_CHECK_VALUE(weight->scalar_type() == at::kChar && scales->scalar_type() == at::kFloat &&
-                          scales->dim() == 1 && scales->size(0) == weight->size(0),
-                      "set_weight_scales: expected int8 weights and float32 scales, one per "
-                      "output channel");
+    if (!scales->has_value()) {  // a projection left in floating point
+      TORCH_CHECK_VALUE(weight->scalar_type() != at::kChar,
+                        "set_weight_scales: an int8 weight needs its scales");
+      continue;
+    }
+    check_int8_scales(*weight, **scales);
+    TORCH_CHECK_VALUE(!quantize_activations || (*scales)->dim() == 1,
+                      "set_weight_scales: W8A8 takes one scale per output channel");
   }
-  layer.qkv_scale = qkv.contiguous();
-  layer.o_scale = o_proj.contiguous();
-  layer.gate_up_scale = gate_up.contiguous();
-  layer.down_scale = down.contiguous();
+  const auto dense = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? t->contiguous() : at::Tensor();
+  };
+  layer.qkv_scale = dense(qkv);
+  layer.o_scale = dense(o_proj);
+  layer.gate_up_scale = dense(gate_up);
+  layer.down_scale = dense(down);
   layer.quantize_activations = quantize_activations;
 }
 

@@ -27,11 +27,15 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
     const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
     const at::Tensor& cos_sin_cache, bool is_neox_style);
 
-// y = (x q^T) * scales + bias for an int8 weight q [N, K] with float32 scales [N] (one per output
-// channel); x [M, K] float32/bfloat16/float16, y [M, N] in x's dtype, summed in float32 (above
-// 4 rows, over the weight dequantized to x's dtype).
+// y = x (q * scales)^T + bias for an int8 weight q [N, K] with float32 scales [N, G], one per
+// K / G consecutive inputs of each output channel (or [N]: one per channel); x [M, K]
+// float32/bfloat16/float16, y [M, N] in x's dtype, summed in float32 (above 4 rows, over the
+// weight dequantized to x's dtype).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias);
+// ValueError unless weight is int8 [N, K] and scales float32 [N] or [N, G] with G dividing K: the
+// layouts int8_linear takes.
+void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 
 // Per-row LoRA (float32, float16 or bfloat16, summed in float32): out[t] = scale *
 // lora_a[slots[t]] x[t] (zeros for slot -1), and y[t, y_offset:] += lora_b[slots[t]]
@@ -91,9 +95,11 @@ class DecoderStack {
                  std::optional<at::Tensor> down_bias, at::Tensor key_cache,
                  at::Tensor value_cache, int64_t sliding_window);
 
-  // The per-channel scales of the last added layer's int8 weights, all four: weight-only
-  // (int8_linear), or with quantize_activations W8A8 (w8a8_linear).
-  void set_weight_scales(at::Tensor qkv, at::Tensor o_proj, at::Tensor gate_up, at::Tensor down,
+  // The scales of the last added layer's int8 weights: weight-only (int8_linear: per channel or
+  // per group), or with quantize_activations W8A8 (w8a8_linear: per channel); none for a
+  // projection left in floating point.
+  void set_weight_scales(std::optional<at::Tensor> qkv, std::optional<at::Tensor> o_proj,
+                         std::optional<at::Tensor> gate_up, std::optional<at::Tensor> down,
                          bool quantize_activations);
 
   // LoRA adapter slots of one projection of the last added layer (0 qkv, 1 o_proj, 2 gate_up,

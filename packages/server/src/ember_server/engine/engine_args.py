@@ -221,8 +221,9 @@ class EngineArgs:
             "--quantization",
             default=None,
             choices=QUANTIZATION_METHODS,
-            help="Quantize the weights after loading (int8_weight_only: int8 per output channel, "
-            "activations in --dtype), or compressed-tensors: a W8A8 int8 checkpoint's own "
+            help="Quantize the weights after loading (int8_weight_only: int8 with a scale per "
+            "group of 128 inputs, q/k/v and activations in --dtype), or compressed-tensors: a "
+            "W8A8 int8 checkpoint's own "
             "(found from its config.json without this flag).",
         )
         group.add_argument(

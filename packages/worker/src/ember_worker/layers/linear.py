@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember_kernels.int8_linear import quantize_int8
+from ember_kernels.int8_linear import quantize_int8, weight_group_size
 from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
 
@@ -36,8 +36,9 @@ def empty_weight(output_size: int, input_size: int, dtype: torch.dtype | None) -
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with the output features split across the group (no gather).
 
-    An int8 weight has its per-output-channel ``weight_scale`` (a parameter, so that a quantized
-    checkpoint's scales load as the weight does); ``quantize_activations`` makes it W8A8.
+    An int8 weight has its ``weight_scale``, per output channel or per group of inputs (a
+    parameter, so that a quantized checkpoint's scales load as the weight does);
+    ``quantize_activations`` makes it W8A8 (per channel).
     """
 
     quantize_activations = False  # int8 activations per token (ember_kernels.w8a8_linear)
@@ -141,8 +142,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with the input features split across the group and the output summed;
-    ``weight_scale`` and ``quantize_activations`` as ``ColumnParallelLinear``'s (the scales are
-    per output channel, so every rank holds them whole)."""
+    ``weight_scale`` and ``quantize_activations`` as ``ColumnParallelLinear``'s (a checkpoint's
+    per-channel scales are held whole by every rank; group-wise ones, quantized after loading,
+    are those of the rank's own input slice)."""
 
     quantize_activations = False
     # Adds each row's LoRA adapter delta to the output (``ember_worker.lora.layers``); None: none.
@@ -199,10 +201,11 @@ def pack_weight(module: nn.Module) -> None:
 
 def quantize_weight(module: nn.Module) -> None:
     """Replace the plain floating-point ``module.weight [out, in]`` (this rank's shard, after
-    loading) by its int8 quantization with one scale per output channel, held as
-    ``module.weight_scale`` (``ember_kernels.int8_linear``); ``linear`` takes the pair. The
-    float weight is let go."""
-    q, scales = quantize_int8(module.weight.data)
+    loading) by its int8 quantization with a float32 scale per group of inputs of each output
+    channel (``ember_kernels.int8_linear.weight_group_size``), held as ``module.weight_scale
+    [out, groups]``; ``linear`` takes the pair. The float weight is let go."""
+    weight = module.weight.data
+    q, scales = quantize_int8(weight, weight_group_size(weight.shape[1]))
     module.weight = nn.Parameter(q, requires_grad=False)
     module.weight_scale = nn.Parameter(scales, requires_grad=False)
 

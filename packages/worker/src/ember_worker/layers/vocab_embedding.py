@@ -76,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp=tp, dtype=dtype)
-        self.register_parameter("weight_scale", None)  # per-channel scales of an int8 weight
+        self.register_parameter("weight_scale", None)  # the scales of an int8 weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(linear(hidden_states, self.weight, scales=self.weight_scale))

@@ -67,15 +67,11 @@ def build_cpu_stack(layers: list[DecoderLayer]):
             value_cache,
             attn.attn.sliding_window or 0,
         )
-        if attn.qkv_proj.weight_scale is not None:  # int8 weights (weight-only or W8A8)
-            stack.set_weight_scales(
-                attn.qkv_proj.weight_scale,
-                attn.o_proj.weight_scale,
-                mlp.gate_up_proj.weight_scale,
-                mlp.down_proj.weight_scale,
-                attn.qkv_proj.quantize_activations,
-            )
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        int8 = [p for p in projections if p.weight_scale is not None]  # weight-only or W8A8
+        if int8:
+            scales = [p.weight_scale for p in projections]  # None: left in floating point
+            stack.set_weight_scales(*scales, int8[0].quantize_activations)
         for index, projection in enumerate(projections):
             if projection.lora is not None:
                 stack.set_lora(index, projection.lora.a, projection.lora.b)

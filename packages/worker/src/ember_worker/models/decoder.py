@@ -297,13 +297,15 @@ class DecoderForCausalLM(nn.Module):
         ):
             pack_weight(self.lm_head)
 
-    def quantize_linear_weights(self) -> None:
-        """Quantize the projections' weights and the LM head's to int8 per output channel
-        (``layers.linear.quantize_weight``), after loading; a head tied to the embedding is
-        quantized as a copy (the lookup keeps the float table). The compiled CPU stack calls the
-        same int8 matmul (``cpu_stack.build_cpu_stack``)."""
-        for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+    def quantize_linear_weights(self, keep_float: tuple[str, ...] = ()) -> None:
+        """Quantize the projections' weights and the LM head's to int8 with group-wise scales
+        (``layers.linear.quantize_weight``), after loading, except the projections named in
+        ``keep_float`` (e.g. ``"qkv_proj"``), which keep the model's dtype; a head tied to the
+        embedding is quantized as a copy (the lookup keeps the float table). The compiled CPU
+        stack calls the same int8 matmul (``cpu_stack.build_cpu_stack``)."""
+        for name, module in self.named_modules():
+            projection = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            if projection and name.rpartition(".")[2] not in keep_float:
                 quantize_weight(module)
         if self.lm_head is not None:
             quantize_weight(self.lm_head)
