@@ -28,8 +28,8 @@ from ember_kv_cache import TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed import mp_worker as proto
 from ember_worker.distributed.grammar_proxy import RankGrammarCompiler
-from ember_worker.distributed.groups import free_port
 from ember_worker.distributed.mp_worker import WorkerProcConfig
+from ember_worker.distributed.ports import free_port
 from ember_worker.distributed.worker import (
     RankAnswers,
     WorkerConfig,
@@ -105,7 +105,10 @@ class MultiprocExecutor:
         return [p.pid for p in self.processes]
 
     def _start(self, config: WorkerConfig, device: str | None, timeout: float) -> int:
-        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        # Data-parallel replicas sharing one expert-parallel world meet at their own address.
+        init_method = config.parallel.data_parallel_init_method or (
+            f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        )
         for rank in range(self._world_size):
             proc_config = WorkerProcConfig(
                 worker=config,
