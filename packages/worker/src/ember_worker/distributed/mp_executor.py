@@ -92,6 +92,7 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop, self.processes, 0.0)
         self._failed = False
         self._in_flight: deque[StepOutput] = deque()  # steps sent, outputs not received
+        self.num_steps_sent = 0  # data-parallel lock-step counts its steps by it
         self.vocab_size = model_vocab_size(config.model)
         self.kv_cache_specs = model_layer_kv_specs(config.model)
         try:
@@ -169,6 +170,7 @@ class MultiprocExecutor:
         if self._failed or not self.processes:
             raise WorkerFailedError("the executor's workers have failed or been shut down")
         self._commands.send_multipart([proto.STEP, self._encoder.encode(scheduler_output)])
+        self.num_steps_sent += 1
         step = StepOutput(self)
         self._in_flight.append(step)
         return step if non_block else step.result()
