@@ -62,3 +62,32 @@ def test_a_killed_engine_or_rank_fails_every_request_and_leaves_no_process(tiny_
     while any(map(running, [*engines, *workers])) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(running, [*engines, *workers]))
+
+
+def test_an_engine_killed_at_start_up_fails_the_start_and_leaves_no_worker(tiny_model):
+    """The other engine's workers wait at the shared rendezvous for ranks that never come; they
+    go with their engine core when the failed start stops it (the kernel's parent-death signal,
+    ``mp_worker.die_with_parent``), not when the rendezvous times out."""
+    import asyncio
+
+    from ember_server.engine.async_llm import AsyncLLM
+    from ember_server.engine.core_client import EngineStartupError, launch_engines
+
+    args = EngineArgs(
+        model=str(tiny_model("mixtral")), dtype="float32", max_model_len=256,
+        kv_cache_memory=2**21, num_threads=1, data_parallel_size=2, enable_expert_parallel=True,
+    )  # fmt: skip
+    clients = launch_engines(args)
+    deadline = time.monotonic() + TIMEOUT
+    workers: list[int] = []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = [pid for client in clients for pid in children_of(client.pid)]
+        time.sleep(0.1)
+    assert len(workers) == 2, workers
+    os.kill(clients[1].pid, signal.SIGKILL)
+    with pytest.raises(EngineStartupError, match="during start-up"):
+        asyncio.run(AsyncLLM.start(args, clients=clients))
+    deadline = time.monotonic() + TIMEOUT
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, workers))
