@@ -5,15 +5,27 @@ lock-step (``ember_server.engine.lockstep``).
 
 Greedy tokens equal transformers' in float32, with requests on both engines at once and with a
 single request, where the other engine has nothing the whole time and runs only the experts'
-collectives (``idle_expert_pass``) so that the busy one's all-to-alls complete.
+collectives (``idle_expert_pass``) so that the busy one's all-to-alls complete; and with a KV pool
+small enough to preempt (asserted), prompts chunked by a small token budget and prefix-cache hits
+(asserted), where steps that schedule nothing on one engine interleave with the other's. Idle
+afterwards, the engine cores and their workers take next to no CPU (no one spins).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
 
 import pytest
-from test_parity import BLOCK_SIZE, MAX_MODEL_LEN, hf_greedy, model_path, parity_prompts
+from test_parity import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    bytes_per_block,
+    hf_greedy,
+    model_path,
+    parity_prompts,
+)
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.async_llm import AsyncLLM
@@ -23,10 +35,12 @@ pytestmark = pytest.mark.slow
 
 OUTPUT_LEN = 24
 TIMEOUT_S = 600
+IDLE_S = 2.0
+IDLE_CPU_S = 0.5  # all engine cores and workers together over IDLE_S (a spinning one takes ~2)
 
 
-def _args(arch: str, tensor_parallel_size: int = 1) -> EngineArgs:
-    return EngineArgs(
+def _args(arch: str, tensor_parallel_size: int = 1, **overrides) -> EngineArgs:
+    settings = dict(
         model=str(model_path(arch)),
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
@@ -39,6 +53,26 @@ def _args(arch: str, tensor_parallel_size: int = 1) -> EngineArgs:
         enable_expert_parallel=True,
         max_engine_restarts=0,
     )
+    return EngineArgs(**{**settings, **overrides})
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(pid: int) -> list[int]:
+    tree = [pid]
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                tree += _process_tree(int(stat.parent.name))
+        except OSError:
+            continue
+    return tree
 
 
 async def _generate(engine: AsyncLLM, prompt: list[int], request_id: str) -> list[int]:
@@ -50,42 +84,72 @@ async def _generate(engine: AsyncLLM, prompt: list[int], request_id: str) -> lis
     return list(final.outputs[0].token_ids)
 
 
-async def _run(args: EngineArgs, waves: list[list[int]]) -> tuple[dict[int, list[int]], list]:
+async def _run(args: EngineArgs, waves: list[list[int]]) -> tuple[list, list, dict]:
     """Each wave's prompts (indexes into ``parity_prompts``) at once, wave after wave; the
-    tokens of each, and the engine each went to."""
+    (prompt index, tokens) of each, the engines' loads as each wave started, and the preemption and prefix-hit
+    counters. Then checks that the idle engines take next to no CPU."""
     prompts = parity_prompts()
     engine = await AsyncLLM.start(args)
-    got: dict[int, list[int]] = {}
+    got: list[tuple[int, list[int]]] = []
     loads = []
     try:
-        for wave in waves:
-            tasks = {i: asyncio.ensure_future(_generate(engine, prompts[i], f"p{i}")) for i in wave}
+        for n, wave in enumerate(waves):
+            tasks = {
+                i: asyncio.ensure_future(_generate(engine, prompts[i], f"w{n}-p{i}")) for i in wave
+            }
             await asyncio.sleep(0)
             loads.append(list(engine.router.loads))
             for i, task in tasks.items():
-                got[i] = await asyncio.wait_for(task, TIMEOUT_S)
+                got.append((i, await asyncio.wait_for(task, TIMEOUT_S)))
         assert engine.is_healthy()
+        labels = {"model_name": args.model_name}
+        counters = {
+            name: engine.metrics.registry.get_sample_value(f"ember:{name}_total", labels)
+            for name in ("num_preemptions", "prefix_cache_hits")
+        }
+        pids = [pid for client in engine.clients for pid in _process_tree(client.pid)]
+        assert len(pids) == 2 * (1 + args.tensor_parallel_size)
+        await asyncio.sleep(0.5)  # the last outputs' wake-ups settle
+        before = _cpu_seconds(pids)
+        await asyncio.sleep(IDLE_S)
+        assert _cpu_seconds(pids) - before < IDLE_CPU_S
     finally:
         await engine.shutdown()
-    return got, loads
+    return got, loads, counters
 
 
-def _check(arch: str, got: dict[int, list[int]]) -> None:
+def _check(arch: str, got: list[tuple[int, list[int]]]) -> None:
     want = hf_greedy(arch, output_len=OUTPUT_LEN)
-    for i, tokens in got.items():
+    for i, tokens in got:
         assert tuple(tokens) == want[i], f"{arch} prompt {i}"
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
 def test_dp2_ep2_matches_transformers_busy_and_with_one_engine_idle(arch):
     # A single request first (the other engine idles through it), then four at once.
-    got, loads = asyncio.run(_run(_args(arch), [[0], [1, 2, 3, 4]]))
+    got, loads, _ = asyncio.run(_run(_args(arch), [[0], [1, 2, 3, 4]]))
     assert sorted(loads[0]) == [0, 1]  # one engine busy, one idle
     assert min(loads[1]) > 0  # both engines busy
     _check(arch, got)
 
 
+def test_dp2_ep2_matches_transformers_preempted_chunked_and_cached():
+    arch = "deepseek_v2"
+    # 13 usable blocks an engine, 3 requests of up to 7 blocks each: preemption; a budget of 32
+    # tokens a step: every prompt chunked; prompts share prefixes, and the second wave repeats
+    # one: prefix hits.
+    args = _args(
+        arch, kv_cache_memory=14 * bytes_per_block(arch), max_model_len=11 * BLOCK_SIZE,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    got, _, counters = asyncio.run(_run(args, [[0, 1, 2, 3, 8, 9], [0]]))
+    assert len(got) == 7
+    assert counters["num_preemptions"] > 0
+    assert counters["prefix_cache_hits"] > 0
+    _check(arch, got)
+
+
 def test_dp2_tp2_ep4_matches_transformers():
-    got, loads = asyncio.run(_run(_args("mixtral", tensor_parallel_size=2), [[5, 6]]))
+    got, loads, _ = asyncio.run(_run(_args("mixtral", tensor_parallel_size=2), [[5, 6]]))
     assert min(loads[0]) > 0
     _check("mixtral", got)
