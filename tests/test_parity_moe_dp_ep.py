@@ -7,7 +7,8 @@ Greedy tokens equal transformers' in float32, with requests on both engines at o
 single request, where the other engine has nothing the whole time and runs only the experts'
 collectives (``idle_expert_pass``) so that the busy one's all-to-alls complete; and with a KV pool
 small enough to preempt (asserted), prompts chunked by a small token budget and prefix-cache hits
-(asserted), where steps that schedule nothing on one engine interleave with the other's. Idle
+(asserted), where steps that schedule nothing on one engine interleave with the other's; sample
+and prompt logprobs within 1e-4 of transformers' log-softmax. Idle
 afterwards, the engine cores and their workers take next to no CPU (no one spins).
 """
 
@@ -26,6 +27,7 @@ from test_parity import (
     model_path,
     parity_prompts,
 )
+from test_parity_sampling import NUM_LOGPROBS, _hf_log_softmax
 
 from ember_scheduler.sampling_params import SamplingParams
 from ember_server.engine.async_llm import AsyncLLM
@@ -153,3 +155,48 @@ def test_dp2_tp2_ep4_matches_transformers():
     got, loads, _ = asyncio.run(_run(_args("mixtral", tensor_parallel_size=2), [[5, 6]]))
     assert min(loads[0]) > 0
     _check("mixtral", got)
+
+
+def _check_logprobs(entries, reference, targets) -> None:
+    """``entries[k]`` (token id -> ``Logprob``) holds ``targets[k]`` and the top
+    ``NUM_LOGPROBS`` of ``reference[k]``, each within 1e-4."""
+    assert len(entries) == len(targets)
+    for entry, ref, target in zip(entries, reference, targets, strict=True):
+        top_values, top_ids = ref.topk(NUM_LOGPROBS)
+        want = {target: float(ref[target]), **dict(zip(top_ids.tolist(), top_values.tolist()))}
+        assert set(entry) == set(want)
+        for token, value in want.items():
+            assert abs(entry[token].logprob - value) <= 1e-4, (token, entry[token], value)
+
+
+def test_dp2_ep2_logprobs_match_transformers():
+    arch = "mixtral"
+    prompts = [parity_prompts()[i] for i in (15, 3, 11)]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=NUM_LOGPROBS,
+        prompt_logprobs=NUM_LOGPROBS,
+    )  # fmt: skip
+
+    async def run():
+        engine = await AsyncLLM.start(_args(arch, max_num_batched_tokens=32))
+        try:
+
+            async def one(i, prompt):
+                final = None
+                async for output in engine.generate(prompt, params, f"lp{i}", stream=False):
+                    final = output
+                return final
+
+            tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+            await asyncio.sleep(0)
+            assert min(engine.router.loads) > 0  # on both engines
+            return [await asyncio.wait_for(task, TIMEOUT_S) for task in tasks]
+        finally:
+            await engine.shutdown()
+
+    for prompt, final in zip(prompts, asyncio.run(run()), strict=True):
+        tokens = list(final.outputs[0].token_ids)
+        reference = _hf_log_softmax(arch, prompt + tokens)
+        assert final.prompt_logprobs[0] is None
+        _check_logprobs(final.prompt_logprobs[1:], reference[: len(prompt) - 1], prompt[1:])
+        _check_logprobs(final.outputs[0].logprobs, reference[len(prompt) - 1 : -1], tokens)
