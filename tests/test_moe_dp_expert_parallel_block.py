@@ -60,7 +60,8 @@ def _replica_main(replica: int, port: int, arch: str, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", pytest.param("deepseek_v2", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two spawned ranks loading the model: tens of seconds
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
 def test_replicas_share_the_experts_and_an_idle_replica_serves_them(arch):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
