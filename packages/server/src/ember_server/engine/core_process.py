@@ -140,6 +140,7 @@ def run_engine_core(
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
+    engine_core = None
     try:
         try:
             model_config = ModelConfig.from_engine_args(args)
@@ -148,6 +149,8 @@ def run_engine_core(
             )
             group = None if place is None else LockstepGroup(place, args.data_parallel_size)
         except Exception as exc:
+            if engine_core is not None:  # the lock-step peers never met: stop the workers
+                engine_core.shutdown()
             failed = msg.EngineCoreFailed(
                 message=str(exc) or type(exc).__name__,
                 bad_settings=isinstance(exc, ValueError),
