@@ -66,8 +66,8 @@ def test_a_killed_engine_or_rank_fails_every_request_and_leaves_no_process(tiny_
 
 def test_an_engine_killed_at_start_up_fails_the_start_and_leaves_no_worker(tiny_model):
     """The other engine's workers wait at the shared rendezvous for ranks that never come; they
-    go with their engine core when the failed start stops it (the kernel's parent-death signal,
-    ``mp_worker.die_with_parent``), not when the rendezvous times out."""
+    go with their engine core when the failed start stops it (``mp_worker.exit_with_parent``),
+    not when the rendezvous times out."""
     import asyncio
 
     from ember_server.engine.async_llm import AsyncLLM

@@ -13,11 +13,11 @@ and ends the process; so does the executor's process going away (checked while i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 
@@ -37,7 +37,6 @@ STEP, KV_BLOCKS, COMPILE, STOP = b"step", b"kv", b"grammar", b"stop"
 READY, FAILED, OUTPUT = b"ready", b"failed", b"output"
 
 _IDLE_POLL_MS = 500  # how often an idle rank checks that the executor's process is alive
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class ReadyReport(msgspec.Struct, array_like=True):
@@ -158,18 +157,17 @@ class GrammarReports:
             self._socket = None
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel kill this process when its parent goes. A rank waits for its
-    peers in collectives and at the rendezvous, where it cannot check on its parent (peers of
-    other data-parallel replicas that never arrive would hold it there until the timeout)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as its parent is gone, watched from a thread of its own: a rank
+    waiting at the rendezvous or in a collective cannot check (the ranks of other data-parallel
+    replicas that never arrive would hold it there until the timeout)."""
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # gone before the request took hold
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_IDLE_POLL_MS / 1000)
         os._exit(0)
+
+    threading.Thread(target=watch, name="ember-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_started_process_logging()
     config = msgspec.json.decode(options.config.encode(), type=WorkerProcConfig)
-    die_with_parent(config.parent_pid)
+    exit_with_parent(config.parent_pid)
     return run_worker(config)
 
 
