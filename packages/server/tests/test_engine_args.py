@@ -170,8 +170,46 @@ def test_one_settings_object_per_side_both_sides_get_the_shared_settings(tiny_mo
         )  # fmt: skip
 
 
-def test_data_parallel_attention_with_expert_parallel_is_refused():
-    with pytest.raises(ValueError, match="data_parallel_size"):
-        EngineArgs(model="/m", data_parallel_size=2, enable_expert_parallel=True)
-    EngineArgs(model="/m", data_parallel_size=2)  # each alone is fine
+def test_data_parallel_attention_with_expert_parallel_runs_on_worker_processes_in_lock_step():
+    args = EngineArgs(model="/m", data_parallel_size=2, enable_expert_parallel=True)
+    assert not args.use_async_scheduling  # one step per lock-step pass
+    for field, value in (
+        ("distributed_executor_backend", "ray"),
+        ("distributed_executor_backend", "uni"),
+        ("pipeline_parallel_size", 2),
+        ("async_scheduling", True),
+    ):
+        with pytest.raises(ValueError, match=f"EngineArgs.{field}"):
+            EngineArgs(
+                model="/m", data_parallel_size=2, enable_expert_parallel=True, **{field: value}
+            )
+    EngineArgs(model="/m", data_parallel_size=2, async_scheduling=True)  # independent engines
     EngineArgs(model="/m", tensor_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_each_lock_step_engine_core_gets_its_place_in_the_worker_config(tiny_model):
+    """The launcher's places (one rendezvous for the engine cores, one for their workers) become
+    each engine's ``ParallelConfig``: the one owner of the data-parallel rank."""
+    from ember_server.engine.engine_factory import make_worker_config
+    from ember_server.engine.lockstep import data_parallel_places
+    from ember_server.engine.model_config import ModelConfig
+
+    args = EngineArgs(
+        model=str(tiny_model("mixtral")), dtype="float32", data_parallel_size=2,
+        enable_expert_parallel=True,
+    )  # fmt: skip
+    model_config = ModelConfig.from_engine_args(args)
+    places = data_parallel_places(2)
+    assert [p.rank for p in places] == [0, 1]
+    assert len({places[0].engines_init_method, places[0].workers_init_method}) == 2
+    for place in places:
+        parallel = make_worker_config(args, model_config, 1 << 20, served=False, place=place)
+        parallel = parallel.parallel
+        assert (parallel.data_parallel_size, parallel.data_parallel_rank) == (2, place.rank)
+        assert parallel.data_parallel_init_method == place.workers_init_method
+        assert parallel.spans_data_parallel and parallel.world_size == 1
+    with pytest.raises(ValueError, match="data_parallel_size"):  # only the launcher starts them
+        make_worker_config(args, model_config, 1 << 20, served=False)
+    independent = EngineArgs(model=args.model, dtype="float32", data_parallel_size=2)
+    parallel = make_worker_config(independent, model_config, 1 << 20, served=False).parallel
+    assert parallel.data_parallel_size == 1 and not parallel.spans_data_parallel

@@ -24,16 +24,24 @@ def make_executor(
     kv_transfer_config: KVTransferConfig | None = None,
 ):
     """An ``Executor`` running ``config``'s ``Worker`` on each rank: ``backend`` None picks "uni"
-    (in process) for one rank, else "mp". ``kv_transfer_config``, when given, replaces
+    (in process) for one rank, else "mp" (always "mp" for data-parallel replicas in one
+    expert-parallel world). ``kv_transfer_config``, when given, replaces
     ``config.kv_transfer``.
 
     A KV connector and speculative decoding run with every backend (each rank its own shard)."""
-    world = config.parallel.world_size
+    parallel = config.parallel
     if backend is None:
-        backend = "uni" if world == 1 else "mp"
+        # Replicas in one expert-parallel world run their ranks in worker processes: the
+        # engine core's own process keeps its torch.distributed world for the lock-step.
+        backend = "uni" if parallel.world_size == 1 and not parallel.spans_data_parallel else "mp"
     if backend not in EXECUTOR_BACKENDS:
         raise ValueError(
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
+        )
+    if parallel.spans_data_parallel and backend != "mp":
+        raise ValueError(
+            "distributed_executor_backend: data-parallel attention with expert parallelism "
+            f"runs on 'mp', got {backend!r}"
         )
     if kv_transfer_config is not None:
         config = msgspec.structs.replace(config, kv_transfer=kv_transfer_config.as_dict())

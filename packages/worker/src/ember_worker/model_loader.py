@@ -130,6 +130,7 @@ def load_model(
     quantization: str | None = None,
     expert_parallel: bool = False,
     expert_placement_strategy: str = "linear",
+    ep: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Load a checkpoint of a supported architecture onto ``device`` in ``dtype``.
 
@@ -142,14 +143,14 @@ def load_model(
     checkpoint loads its int8 weights and scales as they are (``quantization`` None or
     ``"compressed-tensors"``). ``expert_parallel`` places whole experts of a mixture-of-experts
     model on the ``tp`` ranks (``MoeConfig.expert_parallel``), placed by
-    ``expert_placement_strategy``."""
+    ``expert_placement_strategy`` (over ``ep`` instead where given: data-parallel replicas)."""
     check_quantization(quantization)
     path = resolve_model_path(model, revision=revision)
     hf_config = load_hf_config(path)
     checkpoint = compressed_tensors.checkpoint_quantization(hf_config)
     quantization = resolve_quantization(quantization, checkpoint)
     config = with_expert_parallel(
-        DecoderConfig.from_hf_config(hf_config), expert_parallel, expert_placement_strategy
+        DecoderConfig.from_hf_config(hf_config), expert_parallel, expert_placement_strategy, ep
     )
     torch_dtype, why = choose_dtype(dtype, hf_config, device)
     logger.info("running in %s (%s)", str(torch_dtype).removeprefix("torch."), why)

@@ -19,6 +19,7 @@ from ember_server.engine.core_client import AsyncMPClient, EngineDeadError, laun
 from ember_server.engine.data_parallel import DataParallelRouter, RouteDecision
 from ember_server.engine.engine_args import EngineArgs
 from ember_server.engine.input_processor import InputProcessor, PromptType
+from ember_server.engine.lockstep import spans_engines
 from ember_server.engine.metrics import EngineMetrics, IterationStats
 from ember_server.engine.model_config import ModelConfig
 from ember_server.engine.output_collector import RequestOutputCollector
@@ -76,7 +77,7 @@ class AsyncLLM:
         self._idle = asyncio.Event()
         self._idle.set()
         self._shut_down = False
-        self.recovery = EngineRecovery(self, args.max_engine_restarts)
+        self.recovery = EngineRecovery(self, args.max_engine_restarts, spans_engines(args))
         for index in range(len(clients)):
             metrics.record_engine_alive(index, True)
         self.output_tasks = [

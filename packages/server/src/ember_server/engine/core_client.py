@@ -27,6 +27,7 @@ import zmq.asyncio
 from ember_scheduler.engine_types import EngineCoreOutputs, EngineCoreRequest
 from ember_server.engine import core_messages as msg
 from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.lockstep import DataParallelPlace, data_parallel_places, spans_engines
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +86,13 @@ class AsyncMPClient:
         self._shutting_down = False
         self._launched_at = 0.0
         self._closed = False
+        self.lockstep_peers: list[AsyncMPClient] = []  # engine cores stepping with this one
 
     @classmethod
-    def launch(cls, args: EngineArgs) -> AsyncMPClient:
+    def launch(cls, args: EngineArgs, place: DataParallelPlace | None = None) -> AsyncMPClient:
         """Bind the sockets and start the engine core process, without waiting for it (no event
-        loop needed); ``wait_ready`` then waits for its handshake."""
+        loop needed); ``wait_ready`` then waits for its handshake. ``place``: its place among
+        lock-step data-parallel engine cores (``lockstep``)."""
         client = cls()
         try:
             command = [
@@ -99,6 +102,8 @@ class AsyncMPClient:
                 "--parent-pid", str(os.getpid()),
                 "--engine-args", msgspec.json.encode(args).decode(),
             ]  # fmt: skip
+            if place is not None:
+                command += ["--data-parallel-place", msgspec.json.encode(place).decode()]
             # A user's own OpenMP waiting settings win (see engine_factory.default_step_threads).
             env = dict(os.environ)
             if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
@@ -192,6 +197,9 @@ class AsyncMPClient:
     async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
             await self._send(msg.ADD, self._encoder.encode(request))
+        for peer in self.lockstep_peers:  # they step with this engine: end their idle waits
+            with contextlib.suppress(EngineDeadError):
+                await peer._send(msg.WAKE, b"")
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -248,11 +256,15 @@ def launch_engines(args: EngineArgs) -> list[AsyncMPClient]:
     """Start ``args.data_parallel_size`` engine core processes without waiting for them (for
     ``AsyncLLM.start(args, clients=...)``); if one cannot start, those already started stop."""
     clients: list[AsyncMPClient] = []
+    places = data_parallel_places(args.data_parallel_size) if spans_engines(args) else None
     try:
-        for _ in range(args.data_parallel_size):
-            clients.append(AsyncMPClient.launch(args))
+        for rank in range(args.data_parallel_size):
+            clients.append(AsyncMPClient.launch(args, None if places is None else places[rank]))
     except BaseException:
         for client in clients:
             client.abandon()
         raise
+    if places is not None:
+        for client in clients:
+            client.lockstep_peers = [peer for peer in clients if peer is not client]
     return clients

@@ -1,7 +1,8 @@
 """Frames between the front end and the engine core process (msgspec msgpack; never pickle).
 
 Front end -> engine core (ROUTER -> DEALER): ``[kind, payload]`` with ``kind`` one of ``ADD``
-(an ``EngineCoreRequest``), ``ABORT`` (a list of request ids) or ``SHUTDOWN``. Engine core ->
+(an ``EngineCoreRequest``), ``ABORT`` (a list of request ids), ``WAKE`` (nothing: a request went
+to a lock-step peer, ``lockstep``) or ``SHUTDOWN``. Engine core ->
 front end: ``[READY, EngineCoreReady]`` or ``[FAILED, EngineCoreFailed]`` once on the input socket at start-up,
 then ``EngineCoreOutputs`` on the output socket (PUSH -> PULL).
 """
@@ -13,6 +14,7 @@ import msgspec
 ADD = b"ADD"
 ABORT = b"ABORT"
 SHUTDOWN = b"SHUTDOWN"
+WAKE = b"WAKE"
 READY = b"READY"
 FAILED = b"FAILED"
 

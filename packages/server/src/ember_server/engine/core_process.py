@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -30,6 +31,9 @@ from ember_server.engine import core_messages as msg
 from ember_server.engine.core_sharing import CoreSharing, OtherProcessesCPU
 from ember_server.engine.engine_args import EngineArgs
 from ember_worker.logs import configure_started_process_logging
+
+if TYPE_CHECKING:
+    from ember_server.engine.lockstep import DataParallelPlace
 
 _IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
 
@@ -82,6 +86,8 @@ class EngineCoreProc:
                 self.engine_core.abort_requests(self._ids_decoder.decode(payload.buffer))
             elif kind == msg.SHUTDOWN:
                 return None
+            elif kind == msg.WAKE:
+                pass  # only ends an idle wait (``lockstep``)
             else:
                 raise RuntimeError(f"engine core got an unknown message kind {kind!r}")
         return handled
@@ -114,10 +120,16 @@ def _request_id(buffer: memoryview) -> str:
 
 
 def run_engine_core(
-    args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+    args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    place: DataParallelPlace | None = None,
 ) -> int:
-    """Connect, build the engine core, handshake and serve; returns the exit status."""
+    """Connect, build the engine core, handshake and serve; returns the exit status. ``place``:
+    this engine core's among lock-step data-parallel peers (``lockstep``)."""
     from ember_server.engine.engine_factory import make_engine_core
+    from ember_server.engine.lockstep import LockstepEngineCoreProc, LockstepGroup
     from ember_server.engine.model_config import ModelConfig
 
     context = zmq.Context()
@@ -128,11 +140,17 @@ def run_engine_core(
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
+    engine_core = None
     try:
         try:
             model_config = ModelConfig.from_engine_args(args)
-            engine_core, model_config = make_engine_core(args, model_config, served=True)
+            engine_core, model_config = make_engine_core(
+                args, model_config, served=True, place=place
+            )
+            group = None if place is None else LockstepGroup(place, args.data_parallel_size)
         except Exception as exc:
+            if engine_core is not None:  # the lock-step peers never met: stop the workers
+                engine_core.shutdown()
             failed = msg.EngineCoreFailed(
                 message=str(exc) or type(exc).__name__,
                 bad_settings=isinstance(exc, ValueError),
@@ -159,8 +177,12 @@ def run_engine_core(
         # Sibling data-parallel engines have cores of their own: they are not others to yield to.
         if args.num_threads is None and args.data_parallel_size == 1 and step_threads is not None:
             core_sharing = CoreSharing(step_threads, OtherProcessesCPU((os.getpid(), parent_pid)))
+        if group is None:
+            proc = EngineCoreProc(engine_core, input_socket, output_socket, core_sharing)
+        else:
+            proc = LockstepEngineCoreProc(engine_core, input_socket, output_socket, group)
         try:
-            EngineCoreProc(engine_core, input_socket, output_socket, core_sharing).run(parent_pid)
+            proc.run(parent_pid)
         except Exception:
             error = traceback.format_exc()
             print(f"ember engine core failed:\n{error}", file=sys.stderr, flush=True)
@@ -168,6 +190,8 @@ def run_engine_core(
             return 1
         finally:
             engine_core.shutdown()
+            if group is not None:
+                group.close()
         return 0
     finally:
         # Let queued outputs (an error report above all) reach the front end before closing.
@@ -184,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-address", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--engine-args", required=True, help="EngineArgs as JSON.")
+    parser.add_argument("--data-parallel-place", help="DataParallelPlace as JSON (lock-step).")
     options = parser.parse_args(argv)
     # Ctrl-C in a terminal, and SIGTERM from systemd, reach the whole process group: the front end
     # decides when we stop (after draining its requests), and we stop when it is gone.
@@ -191,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_started_process_logging()
     args = msgspec.json.decode(options.engine_args.encode(), type=EngineArgs)
-    return run_engine_core(args, options.input_address, options.output_address, options.parent_pid)
+    place = None
+    if options.data_parallel_place:
+        from ember_server.engine.lockstep import DataParallelPlace
+
+        place = msgspec.json.decode(options.data_parallel_place.encode(), type=DataParallelPlace)
+    return run_engine_core(
+        args, options.input_address, options.output_address, options.parent_pid, place
+    )
 
 
 if __name__ == "__main__":

@@ -157,14 +157,7 @@ class EngineArgs:
                 f"{self.enable_expert_parallel!r}"
             )
         if self.enable_expert_parallel and self.data_parallel_size > 1:
-            # vLLM's meaning, one expert-parallel group over every data-parallel replica's ranks
-            # with the replicas stepping in lock-step, is not built; a group per replica would
-            # silently mean something else.
-            raise ValueError(
-                "EngineArgs.data_parallel_size: data-parallel attention with expert parallelism "
-                f"(data_parallel_size={self.data_parallel_size} with enable_expert_parallel) is "
-                "not supported; use tensor_parallel_size with enable_expert_parallel"
-            )
+            _check_lockstep(self)
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineArgs.seed must be an integer, got {self.seed!r}")
         if self.speculative_config is not None:
@@ -194,7 +187,10 @@ class EngineArgs:
         """``async_scheduling``, or where None, its default (every setting composes with it)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return DEFAULT_ASYNC_SCHEDULING
+        # Lock-step data-parallel engine cores send one step per pass (``lockstep``).
+        return DEFAULT_ASYNC_SCHEDULING and not (
+            self.enable_expert_parallel and self.data_parallel_size > 1
+        )
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:
@@ -354,7 +350,9 @@ class EngineArgs:
             action="store_true",
             help="Mixture-of-experts models: place whole experts on the tensor-parallel ranks "
             "(a contiguous, balanced share each; shared experts whole on every rank) and send "
-            "tokens to their experts' ranks by all-to-all, instead of splitting every expert.",
+            "tokens to their experts' ranks by all-to-all, instead of splitting every expert. "
+            "With --data-parallel-size: every engine core's ranks form one expert-parallel "
+            "group and the engine cores step in lock-step.",
         )
         group.add_argument(
             "--expert-placement-strategy",
@@ -408,6 +406,26 @@ class EngineArgs:
         """Build from a namespace parsed with ``add_cli_args`` (extra attributes are ignored)."""
         values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)}
         return cls(**values)
+
+
+def _check_lockstep(args: EngineArgs) -> None:
+    """What data-parallel attention with expert parallelism (``lockstep``) runs with: worker
+    processes, one pipeline stage, and one model step per engine core pass."""
+    if args.distributed_executor_backend not in (None, "mp"):
+        raise ValueError(
+            "EngineArgs.distributed_executor_backend: data-parallel attention with expert "
+            f"parallelism runs on 'mp', got {args.distributed_executor_backend!r}"
+        )
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(
+            "EngineArgs.pipeline_parallel_size: data-parallel attention with expert parallelism "
+            f"runs one pipeline stage, got {args.pipeline_parallel_size}"
+        )
+    if args.async_scheduling:
+        raise ValueError(
+            "EngineArgs.async_scheduling: data-parallel attention with expert parallelism "
+            "steps its engine cores in lock-step, one step at a time"
+        )
 
 
 def _json_object(text: str) -> dict:

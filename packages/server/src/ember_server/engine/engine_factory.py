@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 from ember_scheduler.config import SchedulerConfig
 from ember_scheduler.engine_core import EngineCore
 from ember_server.engine.engine_args import EngineArgs
+from ember_server.engine.lockstep import spans_engines
 from ember_server.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
+    from ember_server.engine.lockstep import DataParallelPlace
     from ember_worker.distributed.worker import WorkerConfig
     from ember_worker.step_threads import StepThreads
 
@@ -54,12 +56,18 @@ def default_step_threads(*, served: bool, data_parallel_size: int = 1) -> StepTh
 
 
 def make_engine_core(
-    args: EngineArgs, model_config: ModelConfig, *, served: bool
+    args: EngineArgs,
+    model_config: ModelConfig,
+    *,
+    served: bool,
+    place: DataParallelPlace | None = None,
 ) -> tuple[EngineCore, ModelConfig]:
     """Load the model into the executor of ``args`` (in process, one process per rank, or Ray)
     and wrap it with a scheduler.
 
     ``served``: the engine process of ``ember serve`` (see ``default_step_threads``).
+    ``place``: this engine core's among data-parallel replicas sharing one expert-parallel group
+    (``lockstep``; required there).
 
     Returns the engine core and the model config it runs with: ``max_model_len`` lowered to what
     the KV cache holds when it was not given (see ``fit_max_model_len``).
@@ -71,7 +79,9 @@ def make_engine_core(
     kv_cache_memory = args.kv_cache_memory
     if kv_cache_memory is None and not torch.cuda.is_available():
         kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
-    worker_config = make_worker_config(args, model_config, kv_cache_memory, served=served)
+    worker_config = make_worker_config(
+        args, model_config, kv_cache_memory, served=served, place=place
+    )
     executor = make_executor(worker_config, args.distributed_executor_backend)
     scheduler_config = make_scheduler_config(args, model_config)
     engine_core = EngineCore(
@@ -81,9 +91,15 @@ def make_engine_core(
 
 
 def make_worker_config(
-    args: EngineArgs, model_config: ModelConfig, kv_cache_memory: int | None, *, served: bool
+    args: EngineArgs,
+    model_config: ModelConfig,
+    kv_cache_memory: int | None,
+    *,
+    served: bool,
+    place: DataParallelPlace | None = None,
 ) -> WorkerConfig:
-    """The one ``WorkerConfig`` every rank of every executor backend is built from."""
+    """The one ``WorkerConfig`` every rank of every executor backend is built from (``place``:
+    as ``make_engine_core``'s)."""
     from ember_worker.distributed.groups import ParallelConfig
     from ember_worker.distributed.worker import WorkerConfig
     from ember_worker.step_threads import StepThreads
@@ -93,11 +109,24 @@ def make_worker_config(
         if args.num_threads
         else default_step_threads(served=served, data_parallel_size=args.data_parallel_size)
     )
+    replicas = {}
+    if spans_engines(args):
+        if place is None:
+            raise ValueError(
+                "data_parallel_size: engine cores sharing one expert-parallel group are started "
+                "by the serving front end (AsyncLLM, ember serve), each with its place"
+            )
+        replicas = dict(
+            data_parallel_size=args.data_parallel_size,
+            data_parallel_rank=place.rank,
+            data_parallel_init_method=place.workers_init_method,
+        )
     parallel = ParallelConfig(
         args.tensor_parallel_size,
         args.pipeline_parallel_size,
         args.enable_expert_parallel,
         args.expert_placement_strategy,
+        **replicas,
     )
     if parallel.world_size > 1:
         # The ranks share this process's cores, each with the same count for every step.

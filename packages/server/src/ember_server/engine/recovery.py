@@ -61,8 +61,11 @@ class RestartBudget:
 class EngineRecovery:
     """Restarts ``llm``'s dead engine cores and moves their requests (see the module doc)."""
 
-    def __init__(self, llm: AsyncLLM, max_restarts: int) -> None:
+    def __init__(self, llm: AsyncLLM, max_restarts: int, lockstep: bool = False) -> None:
         self.llm = llm
+        # Lock-step engine cores (``lockstep``) are one expert-parallel group: one gone, the
+        # group is, and a restarted engine could not rejoin it; everything fails at once.
+        self.lockstep = lockstep
         self.budgets = [RestartBudget(max_restarts) for _ in llm.clients]
         self.num_restarts = 0
         self._restarting: set[int] = set()
@@ -88,6 +91,10 @@ class EngineRecovery:
         task = llm.output_tasks[index]
         if not task.done() and task is not asyncio.current_task():
             task.cancel()
+        if self.lockstep:
+            logger.error("engine core %d of the lock-step group is dead: %s", index, reason)
+            llm.give_up(error)
+            return
         if self.take_over(index, request_ids):
             logger.error(
                 "engine core %d is dead, moving its %d requests on: %s",

@@ -28,8 +28,8 @@ from ember_kv_cache import TieredKVStore
 from ember_scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ember_worker.distributed import mp_worker as proto
 from ember_worker.distributed.grammar_proxy import RankGrammarCompiler
-from ember_worker.distributed.groups import free_port
 from ember_worker.distributed.mp_worker import WorkerProcConfig
+from ember_worker.distributed.ports import free_port
 from ember_worker.distributed.worker import (
     RankAnswers,
     WorkerConfig,
@@ -92,6 +92,7 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop, self.processes, 0.0)
         self._failed = False
         self._in_flight: deque[StepOutput] = deque()  # steps sent, outputs not received
+        self.num_steps_sent = 0  # data-parallel lock-step counts its steps by it
         self.vocab_size = model_vocab_size(config.model)
         self.kv_cache_specs = model_layer_kv_specs(config.model)
         try:
@@ -105,7 +106,10 @@ class MultiprocExecutor:
         return [p.pid for p in self.processes]
 
     def _start(self, config: WorkerConfig, device: str | None, timeout: float) -> int:
-        init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        # Data-parallel replicas sharing one expert-parallel world meet at their own address.
+        init_method = config.parallel.data_parallel_init_method or (
+            f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        )
         for rank in range(self._world_size):
             proc_config = WorkerProcConfig(
                 worker=config,
@@ -166,6 +170,7 @@ class MultiprocExecutor:
         if self._failed or not self.processes:
             raise WorkerFailedError("the executor's workers have failed or been shut down")
         self._commands.send_multipart([proto.STEP, self._encoder.encode(scheduler_output)])
+        self.num_steps_sent += 1
         step = StepOutput(self)
         self._in_flight.append(step)
         return step if non_block else step.result()

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 
@@ -156,6 +157,19 @@ class GrammarReports:
             self._socket = None
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as its parent is gone, watched from a thread of its own: a rank
+    waiting at the rendezvous or in a collective cannot check (the ranks of other data-parallel
+    replicas that never arrive would hold it there until the timeout)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_IDLE_POLL_MS / 1000)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ember-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Ember worker rank (started by the executor).")
     parser.add_argument("--config", required=True, help="WorkerProcConfig as JSON.")
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_started_process_logging()
     config = msgspec.json.decode(options.config.encode(), type=WorkerProcConfig)
+    exit_with_parent(config.parent_pid)
     return run_worker(config)
 
 

@@ -41,6 +41,7 @@ from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
 from ember_worker.model_runner import ModelRunner
 from ember_worker.models import DecoderConfig
+from ember_worker.models.moe import idle_expert_pass
 from ember_worker.quantization import check_quantization
 from ember_worker.step_threads import LARGE_STEP_MIN_TOKENS, StepThreads
 from ember_worker.structured_outputs import XGrammarCompiler
@@ -154,6 +155,7 @@ class Worker:
             quantization=config.quantization,
             expert_parallel=config.parallel.enable_expert_parallel,
             expert_placement_strategy=config.parallel.expert_placement_strategy,
+            ep=groups.ep,
         )
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len
@@ -184,8 +186,10 @@ class Worker:
         )
         self.kv_transfer_store: TieredKVStore | None = None
         self.expert_load = ExpertLoadStats(
-            self.loaded.model, groups.tp, config.expert_load_log_interval
+            self.loaded.model, groups.ep or groups.tp, config.expert_load_log_interval
         )
+        # Lock-step with other data-parallel replicas: every step is a forward's collectives.
+        self._idle_steps_pass = config.parallel.spans_data_parallel
 
     @property
     def vocab_size(self) -> int:
@@ -247,6 +251,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.model_runner.execute_model(scheduler_output)
+        if self._idle_steps_pass and scheduler_output.total_num_scheduled_tokens == 0:
+            idle_expert_pass(self.loaded.model)  # the other replicas' forward needs our experts
         self.expert_load.step()
         return output
 

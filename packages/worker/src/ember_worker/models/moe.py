@@ -9,6 +9,12 @@ experts (``ExpertPlacement``: by default ``"linear"``, a contiguous block each, 
 on every rank, so each rank takes its slice of the tokens (``token_slice``), routes it, sends
 each token to the ranks holding its experts and gets the results back (all-to-all dispatch and
 combine), adds the shared experts, and the slices are gathered onto every rank.
+
+With data-parallel attention (``MoeConfig.expert_group``) the expert-parallel group is wider: the
+ranks of every data-parallel replica, each replica with tokens of its own. Tokens are sliced over
+the replica's tensor-parallel ranks as above and dispatched over the whole group. A replica with
+nothing to run still takes part in every layer's all-to-all (``idle_expert_pass``): its experts
+serve the other replicas' tokens.
 """
 
 from __future__ import annotations
@@ -86,8 +92,9 @@ class FusedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.rank = tp.rank
+        self.hidden_size, self.dtype = hidden_size, dtype  # the activations'
         self.dispatcher = None
-        if expert_parallel:
+        if expert_parallel:  # ``tp``: the expert-parallel group
             experts = moe_ops.ExpertPlacement(num_experts, tp.size, placement)
             self.local_experts = experts.local_experts(tp.rank)
             self.inter = intermediate_size
@@ -170,7 +177,7 @@ class SparseMoeBlock(nn.Module):
             config.hidden_size,
             moe.intermediate_size,
             moe.num_experts,
-            tp,
+            moe.expert_group or tp,
             dtype,
             expert_parallel,
             moe.expert_placement,
@@ -224,3 +231,17 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out + shared
+
+
+def idle_expert_pass(model: nn.Module) -> None:
+    """A forward's share of the expert-parallel collectives for a data-parallel replica with no
+    tokens: each MoE layer, in order, dispatches nothing and serves its experts to what the other
+    replicas send. Touches no KV cache and no request state."""
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            experts, top_k = module.experts, module.moe.top_k
+            device = module.gate.weight.device
+            hidden = torch.empty(0, experts.hidden_size, dtype=experts.dtype, device=device)
+            weights = torch.empty(0, top_k, dtype=torch.float32, device=device)
+            ids = torch.empty(0, top_k, dtype=torch.long, device=device)
+            experts(hidden, weights, ids)

@@ -7,7 +7,7 @@ Read from the Hugging Face config of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ember_worker.expert_placement import check_expert_placement
@@ -45,6 +45,9 @@ class MoeConfig:
     # Which rank holds which experts under expert parallelism
     # (``ember_worker.expert_placement``).
     expert_placement: str = "linear"
+    # The expert-parallel group where it is wider than the tensor-parallel one (a
+    # ``TensorParallelGroup`` over data-parallel replicas); None: the tensor-parallel ranks.
+    expert_group: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, architecture: str) -> MoeConfig | None:
@@ -118,9 +121,12 @@ def _refuse_sliding_window(hf_config: Any, architecture: str) -> None:
         )
 
 
-def with_expert_parallel(config: Any, expert_parallel: bool, placement: str = "linear") -> Any:
+def with_expert_parallel(
+    config: Any, expert_parallel: bool, placement: str = "linear", expert_group: Any = None
+) -> Any:
     """``config`` (a ``DecoderConfig``) with its experts placed by expert parallelism, by
-    ``placement``; ValueError for a model without experts or an unknown placement."""
+    ``placement``, over ``expert_group`` (None: the tensor-parallel ranks); ValueError for a
+    model without experts or an unknown placement."""
     check_expert_placement(placement)
     if not expert_parallel:
         return config
@@ -128,6 +134,7 @@ def with_expert_parallel(config: Any, expert_parallel: bool, placement: str = "l
         raise ValueError(
             f"enable_expert_parallel: {config.architecture} has no mixture-of-experts layers"
         )
-    return replace(
-        config, moe=replace(config.moe, expert_parallel=True, expert_placement=placement)
+    moe = replace(
+        config.moe, expert_parallel=True, expert_placement=placement, expert_group=expert_group
     )
+    return replace(config, moe=moe)
