@@ -5,11 +5,11 @@
 // blocks of the packed weight at once; here each thread streams its blocks one after another,
 // straight from the packed bytes (no second copy), with AVX512-BF16 dot products into float32.
 //
-// The packed layout is oneDNN's choice, opaque to torch. Where it is the one read here (blocks of
-// BLOCK output channels, each holding pairs of inputs for its BLOCK channels in turn:
-// [N / BLOCK][K / 2][BLOCK][2]), a probe weight of the same shape packed by the same operation
-// shows it byte for byte; oneDNN picks a layout from the shape, dtype and CPU, never the values,
-// so one probe per shape settles it. Any other layout, CPU or dtype runs oneDNN's matmul.
+// The packed layout is oneDNN's choice, opaque to torch. Whether it is the one read here (blocks
+// of BLOCK output channels, each holding pairs of inputs for its BLOCK channels in turn:
+// [N / BLOCK][K / 2][BLOCK][2]) is checked byte for byte against the weight's own values
+// (to_dense) for the first weight of each shape: oneDNN picks a layout from the shape, dtype and
+// CPU, never the values. Any other layout, CPU or dtype runs oneDNN's matmul.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,6 @@
 #include "kernels.h"
 
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -55,39 +54,25 @@ const uint16_t* packed_bytes(const at::Tensor& weight) {
   return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(weight));
 }
 
-// A bf16 [N, K] probe (small integers, exact in bfloat16, differing between neighbours along
-// both dims) packed as the engine packs its weights, compared with the layout read here.
-bool probe_is_blocked(int64_t N, int64_t K) {
-  static const auto reorder =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
-          .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
-  at::Tensor probe = at::empty({N, K}, at::TensorOptions().dtype(at::kBFloat16));
-  auto* p = probe.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k = 0; k < K; ++k) p[n * K + k] = static_cast<float>((7 * n + 13 * k) % 251 - 125);
-    }
-  });
-  const at::Tensor packed = reorder.call(probe, std::nullopt);
-  if (!packed.is_mkldnn() || at::native::nbytes_from_mkldnn(packed) != N * K * 2) return false;
-  const uint16_t* raw = packed_bytes(packed);
-  const auto* plain = reinterpret_cast<const uint16_t*>(p);
-  bool same = true;
-  for (int64_t n = 0; n < N && same; ++n) {
+// Whether the packed bytes of weight [N, K] are its values in the layout read here.
+bool bytes_are_blocked(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const at::Tensor dense = weight.to_dense();
+  const auto* plain = reinterpret_cast<const uint16_t*>(dense.data_ptr<c10::BFloat16>());
+  const uint16_t* raw = packed_bytes(weight);
+  for (int64_t n = 0; n < N; ++n) {
     const int64_t block = n / BLOCK, lane = n % BLOCK;
     for (int64_t k = 0; k < K; ++k) {
-      const int64_t at = ((block * (K / 2) + k / 2) * BLOCK + lane) * 2 + k % 2;
-      if (raw[at] != plain[n * K + k]) {
-        same = false;
-        break;
+      if (raw[((block * (K / 2) + k / 2) * BLOCK + lane) * 2 + k % 2] != plain[n * K + k]) {
+        return false;
       }
     }
   }
-  return same;
+  return true;
 }
 
-// Whether weight [N, K] is packed in the layout read here: once per shape.
+// Whether weight [N, K] is packed in the layout read here: settled by the first weight of each
+// shape, as oneDNN lays out every weight of one shape alike.
 bool blocked_layout(const at::Tensor& weight) {
   if (at::native::data_ptr_from_mkldnn == nullptr || at::native::nbytes_from_mkldnn == nullptr ||
       weight.dim() != 2 || weight.scalar_type() != at::kBFloat16) {
@@ -102,7 +87,7 @@ bool blocked_layout(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(mutex);
   const auto found = known.find({N, K});
   if (found != known.end()) return found->second;
-  const bool blocked = probe_is_blocked(N, K);
+  const bool blocked = bytes_are_blocked(weight);
   known.emplace(std::make_pair(N, K), blocked);
   return blocked;
 }
