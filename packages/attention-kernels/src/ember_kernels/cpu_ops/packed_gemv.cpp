@@ -179,7 +179,8 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 #if defined(__AVX512BF16__)
   return weight.is_mkldnn() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
          x.size(0) >= 1 && x.size(0) <= PACKED_GEMV_MAX_ROWS && x.stride(1) == 1 &&
-         x.stride(0) % 2 == 0 && x.size(1) == weight.size(1) &&
+         x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
+         x.size(1) == weight.size(1) &&
          (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                     bias->numel() == weight.size(0))) &&
          blocked_layout(weight);
