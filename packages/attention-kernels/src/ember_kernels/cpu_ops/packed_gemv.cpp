@@ -20,6 +20,7 @@
 #include "bf16_dot.h"
 #include "kernels.h"
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -54,21 +55,29 @@ const uint16_t* packed_bytes(const at::Tensor& weight) {
   return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(weight));
 }
 
-// Whether the packed bytes of weight [N, K] are its values in the layout read here.
+// Whether the packed bytes of weight [N, K] are its values in the layout read here: compared a
+// pair of inputs (32 bits) at a time in the packed order, blocks split between the threads (the
+// LM head's check is a first decode step's cost).
 bool bytes_are_blocked(const at::Tensor& weight) {
-  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t N = weight.size(0), pairs = weight.size(1) / 2;
   const at::Tensor dense = weight.to_dense();
-  const auto* plain = reinterpret_cast<const uint16_t*>(dense.data_ptr<c10::BFloat16>());
-  const uint16_t* raw = packed_bytes(weight);
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t block = n / BLOCK, lane = n % BLOCK;
-    for (int64_t k = 0; k < K; ++k) {
-      if (raw[((block * (K / 2) + k / 2) * BLOCK + lane) * 2 + k % 2] != plain[n * K + k]) {
-        return false;
+  const auto* plain = reinterpret_cast<const uint32_t*>(dense.data_ptr<c10::BFloat16>());
+  const auto* raw = reinterpret_cast<const uint32_t*>(packed_bytes(weight));
+  std::atomic<bool> same{true};
+  at::parallel_for(0, N / BLOCK, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end && same.load(std::memory_order_relaxed); ++block) {
+      const uint32_t* packed = raw + block * pairs * BLOCK;
+      const uint32_t* rows = plain + block * BLOCK * pairs;
+      bool equal = true;
+      for (int64_t kp = 0; kp < pairs; ++kp) {
+        for (int64_t lane = 0; lane < BLOCK; ++lane) {
+          equal &= packed[kp * BLOCK + lane] == rows[lane * pairs + kp];
+        }
       }
+      if (!equal) same.store(false, std::memory_order_relaxed);
     }
-  }
-  return true;
+  });
+  return same.load();
 }
 
 // Whether weight [N, K] is packed in the layout read here: settled by the first weight of each
