@@ -1,9 +1,9 @@
 // y = x W^T (+ b) on a weight packed for oneDNN (ember_kernels.packed_linear), and the
 // matrix-vector path for a few bfloat16 rows (decoding): a step of one token reads every weight
-// once, so it runs at the speed memory streams the weight in. oneDNN's matmul reached about half
-// of a summing loop's read bandwidth at one row (benchmarks/bench_packed_gemv.py), reading several
-// blocks of the packed weight at once; here each thread streams its blocks one after another,
-// straight from the packed bytes (no second copy), with AVX512-BF16 dot products into float32.
+// once, so it runs at the speed memory streams the weight in. oneDNN's matmul reached 0.5-0.8 of
+// a summing loop's read bandwidth at one row (benchmarks/bench_packed_gemv.py); here each thread
+// streams its equal share of blocks one after another, straight from the packed bytes (no second
+// copy), with AVX512-BF16 dot products into float32.
 //
 // The packed layout is oneDNN's choice, opaque to torch. Whether it is the one read here (blocks
 // of BLOCK output channels, each holding pairs of inputs for its BLOCK channels in turn:
