@@ -9,7 +9,7 @@ from ek_inputs import fresh_generator
 from ember_kernels import RotaryEmbedding, cpu_ops
 from ember_kernels import lora as lora_module
 from ember_kernels.lora import LoRAMapping, lora_expand, lora_shrink
-from ember_kernels.packed_linear import linear, pack_linear_weight
+from ember_kernels.packed_linear import linear, pack_linear_weight, packable_dtypes
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler here")
 
@@ -119,7 +119,7 @@ def step(q_lens, seq_lens, tables):
 @pytest.mark.parametrize(
     ("dtype", "packed"),
     [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
-     (torch.float16, False)],
+     (torch.float16, False)] + [(torch.bfloat16, True)] * (torch.bfloat16 in packable_dtypes()),
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("bias", "qk_norm", "windows"),

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from ek_inputs import fresh_generator
 
-from ember_kernels.cpu_features import has_bf16_arithmetic
+from ember_kernels import cpu_ops
+from ember_kernels.cpu_features import cpu_flags, has_bf16_arithmetic
 from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(
@@ -56,3 +57,38 @@ def test_packed_bfloat16_linear_matches_torch(tokens):
     expected = F.linear(x.double(), weight.double(), b.double())
     # float32 accumulation, one bfloat16 rounding of the result
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
+
+
+@pytest.mark.skipif(
+    not (has_bf16_arithmetic() and cpu_ops.available()), reason="no bfloat16 dot products here"
+)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 320), (4864, 128), (64, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features, bias):
+    """A few bfloat16 rows (decoding) on a packed weight: float32 sums rounded once, whichever
+    path runs; the matrix-vector kernel runs for up to 4 rows where the CPU has AVX512-BF16 and
+    the output channels fill oneDNN's blocks of 64, and the per-operation path and the compiled
+    stack call the same function."""
+    gen, seed = fresh_generator()
+    weight = torch.randn(in_features, out_features, generator=gen).bfloat16().t()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(tokens, in_features, generator=gen).bfloat16()
+    packed = pack_linear_weight(weight)
+    got = linear(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
+    assert torch.equal(got, cpu_ops.packed_linear(x, packed, b))
+    runs_kernel = tokens <= 4 and out_features % 64 == 0 and "avx512_bf16" in cpu_flags()
+    assert cpu_ops.packed_gemv_applies(x, packed, b) == runs_kernel
+    view = torch.randn(tokens, 2 * in_features, generator=gen).bfloat16()[:, :in_features]
+    assert torch.equal(linear(view, packed, b), linear(view.contiguous(), packed, b))
+    # rows read as 32-bit pairs: a view starting mid-pair runs oneDNN
+    odd = torch.randn(tokens, in_features + 1, generator=gen).bfloat16()[:, 1:]
+    assert not cpu_ops.packed_gemv_applies(odd, packed, b)
+    got_odd, got_copy = (
+        linear(odd, packed, b).double(),
+        linear(odd.contiguous(), packed, b).double(),
+    )
+    torch.testing.assert_close(got_odd, got_copy, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember_kernels import cpu_ops
 from ember_kernels.cpu_features import has_bf16_arithmetic
 from ember_kernels.int8_linear import int8_linear
 from ember_kernels.w8a8_linear import w8a8_linear
@@ -70,5 +71,7 @@ def linear(
     if quantize_activations:
         raise ValueError(f"quantize_activations: needs an int8 weight, got {weight.dtype}")
     if weight.is_mkldnn:
+        if x.dtype == torch.bfloat16 and cpu_ops.available():  # the compiled stack's path
+            return cpu_ops.packed_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -133,6 +133,23 @@ def int8_linear(
     )
 
 
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` on a weight packed by ``ember_kernels.packed_linear.pack_linear_weight``:
+    bfloat16 steps of a few rows by a matrix-vector kernel that streams the packed weight, where
+    the CPU and oneDNN's layout allow, otherwise oneDNN's matmul (see ``kernels.h``)."""
+    out = _library().packed_linear(_rows(x), weight, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
+def packed_gemv_applies(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether ``packed_linear`` runs its matrix-vector kernel for these operands (a bfloat16
+    ``x`` of at most ``PACKED_GEMV_MAX_ROWS`` rows, a CPU with AVX512-BF16, a packed layout the
+    kernel reads)."""
+    return _library().packed_gemv_applies(_rows(x), weight, bias)
+
+
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, scale: float, out: torch.Tensor
 ) -> torch.Tensor:

@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding from a cos/sin cache (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into paged caches (CPU)");
   m.def("int8_linear", &int8_linear, "Matmul with a per-channel int8 weight (CPU)");
+  m.def("packed_linear", &packed_linear, "x W^T + b on a weight packed for oneDNN (CPU)");
+  m.def("packed_gemv_applies", &packed_gemv_applies,
+        "Whether packed_linear runs its matrix-vector kernel on these operands (CPU)");
   m.def("lora_shrink", &lora_shrink, "Per-row LoRA shrink h = scale * A[slot] x (CPU, float32)");
   m.def("lora_expand", &lora_expand, "Per-row LoRA expand y += B[slot] h (CPU, float32)");
   m.def("moe_experts", &moe_experts, "Routed MoE experts of a few tokens, stacked weights (CPU)");

@@ -45,6 +45,7 @@ SOURCES = [
         "moe.cpp",
         "w8a8_linear.cpp",
         "decoder_stack.cpp",
+        "packed_gemv.cpp",
         "bindings.cpp",
     )
 ]

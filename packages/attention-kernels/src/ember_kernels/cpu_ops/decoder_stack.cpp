@@ -3,7 +3,6 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 
@@ -19,8 +18,8 @@ namespace {
 at::Tensor held(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
 // y = x W^T (+ b), with the bias inside the matmul (column-parallel projections). A weight
-// packed for oneDNN (ember_kernels.packed_linear) goes through the operation its ``linear``
-// calls, an int8 one with its scales through int8_linear (or w8a8_linear with
+// packed for oneDNN (ember_kernels.packed_linear) goes through packed_linear, as its ``linear``
+// does, an int8 one with its scales through int8_linear (or w8a8_linear with
 // quantize_activations), a plain one through at::linear, as in the per-operation path.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                   const at::Tensor& scales, bool quantize_activations) {
@@ -30,15 +29,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                                 : int8_linear(x, weight, scales, held_bias);
   }
   if (weight.is_mkldnn()) {
-    static const auto packed =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                              const std::optional<at::Tensor>&, c10::string_view,
-                              c10::List<std::optional<at::Scalar>>,
-                              std::optional<c10::string_view>)>();
-    return packed.call(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                       "none", c10::List<std::optional<at::Scalar>>(), "");
+    return packed_linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
