@@ -9,7 +9,13 @@ from ek_inputs import fresh_generator
 
 from ember_kernels import cpu_ops
 from ember_kernels.cpu_features import cpu_flags, has_bf16_arithmetic
-from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
+from ember_kernels.packed_linear import (
+    MIN_PACKED_ELEMENTS,
+    can_pack_linear_weight,
+    linear,
+    pack_linear_weight,
+    packing_pays,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -43,6 +49,14 @@ def test_only_cpu_matrices_of_the_packable_dtypes_are_packed():
         assert not can_pack_linear_weight(other)
     with pytest.raises(ValueError, match=r"weight: cannot pack a torch\.float16 \(8, 4\)"):
         pack_linear_weight(weight.half())
+
+
+def test_packing_pays_for_packable_weights_from_their_dtypes_size_up():
+    smallest = MIN_PACKED_ELEMENTS[torch.float32]
+    assert packing_pays(torch.empty(smallest // 64, 64))
+    assert not packing_pays(torch.empty(smallest // 64 - 1, 64))
+    assert not packing_pays(torch.empty(smallest // 64, 64, dtype=torch.float16))
+    assert packing_pays(torch.empty(8, 8, dtype=torch.bfloat16)) == has_bf16_arithmetic()
 
 
 @pytest.mark.skipif(not has_bf16_arithmetic(), reason="no bfloat16 dot products on this CPU")

@@ -151,7 +151,7 @@ def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, 
     ]
     assert projections and all(m.weight.is_mkldnn for m in projections)
     head, embedding = packed.model.lm_head, packed.model.model.embed_tokens
-    assert head.weight.is_mkldnn != packed.config.tie_word_embeddings
+    assert head.weight.is_mkldnn  # a tied head as a copy: the embedding stays plain
     assert not embedding.weight.is_mkldnn
     ids = torch.arange(3, 40)
     hidden = [m.model.model.embed_tokens(ids) for m in (plain, packed)]
@@ -167,7 +167,6 @@ def test_packed_weights_replace_the_plain_ones_and_keep_the_numbers(tiny_model, 
         for m in bf16.model.modules()
         if isinstance(m, ColumnParallelLinear | RowParallelLinear)
     )
-    # bfloat16 packs a tied head as a copy; the embedding stays plain
     assert bf16.model.lm_head.weight.is_mkldnn == bf16_packs
     assert not bf16.model.model.embed_tokens.weight.is_mkldnn
     if bf16_packs:

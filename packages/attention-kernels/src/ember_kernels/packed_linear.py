@@ -39,6 +39,19 @@ def can_pack_linear_weight(weight: torch.Tensor) -> bool:
     )
 
 
+# A smaller float32 weight stays plain: oneDNN's own fixed cost per call (about 10 us) outweighs
+# its faster matmul at one token below about 512 x 256 (``bench_packed_linear.py``; the README has
+# the figures). In bfloat16 torch's own matmul converts its operands and oneDNN's was ahead at
+# every size measured, down to 256 x 256 at one token, so every bfloat16 weight is packed.
+MIN_PACKED_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
+
+
+def packing_pays(weight: torch.Tensor) -> bool:
+    """Whether a caller that packs weights once at load should pack ``weight``: it can be packed
+    here (``can_pack_linear_weight``) and holds at least ``MIN_PACKED_ELEMENTS`` of its dtype."""
+    return can_pack_linear_weight(weight) and weight.numel() >= MIN_PACKED_ELEMENTS[weight.dtype]
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` reordered into oneDNN's blocked layout, for ``linear``; ValueError
     where ``can_pack_linear_weight`` says no."""

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ember_kernels.int8_linear import quantize_int8, weight_group_size
-from ember_kernels.packed_linear import can_pack_linear_weight, linear, pack_linear_weight
+from ember_kernels.packed_linear import MIN_PACKED_ELEMENTS as MIN_PACKED_ELEMENTS  # re-exported
+from ember_kernels.packed_linear import linear, pack_linear_weight, packing_pays
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
 
 
@@ -182,21 +183,13 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * size, size))
 
 
-# A smaller float32 weight stays plain: oneDNN's own fixed cost per call outweighs its faster
-# matmul below about 512 x 256 (``bench_packed_linear.py``; the attention-kernels README has the
-# figures). In bfloat16 torch's own matmul converts its operands and oneDNN's was ahead at every
-# size measured, down to 256 x 256 at one token, so every bfloat16 weight is packed.
-MIN_PACKED_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
-
-
 def pack_weight(module: nn.Module) -> None:
-    """Replace ``module.weight`` by its copy packed for oneDNN's CPU matmul, where it can be
-    packed (``ember_kernels.packed_linear``: float32, and bfloat16 on CPUs with bfloat16 dot
-    products) and has at least ``MIN_PACKED_ELEMENTS`` of its dtype; the plain copy is let go, so
-    this comes after loading. ``linear`` takes either kind."""
-    weight = module.weight
-    if can_pack_linear_weight(weight) and weight.numel() >= MIN_PACKED_ELEMENTS[weight.dtype]:
-        module.weight = nn.Parameter(pack_linear_weight(weight), requires_grad=False)
+    """Replace ``module.weight`` by its copy packed for oneDNN's CPU matmul where packing pays
+    (``ember_kernels.packed_linear.packing_pays``: float32, and bfloat16 on CPUs with bfloat16
+    dot products, of at least ``MIN_PACKED_ELEMENTS``); the plain copy is let go, so this comes
+    after loading. ``linear`` takes either kind."""
+    if packing_pays(module.weight):
+        module.weight = nn.Parameter(pack_linear_weight(module.weight), requires_grad=False)
 
 
 def quantize_weight(module: nn.Module) -> None:

@@ -27,8 +27,8 @@ from torch import nn
 
 from ember_kernels import moe as moe_ops
 from ember_kernels.moe import cpu_experts
-from ember_kernels.packed_linear import can_pack_linear_weight, pack_linear_weight
-from ember_worker.layers.linear import MIN_PACKED_ELEMENTS, _copy_checked
+from ember_kernels.packed_linear import pack_linear_weight, packing_pays
+from ember_worker.layers.linear import _copy_checked
 from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup, divide
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.mlp import DecoderMLP
@@ -143,14 +143,14 @@ class FusedExperts(nn.Module):
 
     def pack_weights(self) -> None:
         """Pack each expert's weights for oneDNN's CPU matmul, as the dense layers' (where they
-        can be, and at least ``MIN_PACKED_ELEMENTS``), letting the stacked weights go; unless
+        can be and it pays: ``packed_linear.packing_pays``), letting the stacked weights go; unless
         the compiled kernel (``ember_kernels.moe.cpu_experts``) runs the stacked weights: then
         they stay as they are, the one copy of the experts (an MoE model's weights are mostly
         its experts, so a second, packed copy would nearly double its memory). Decoding's few
         tokens then run the kernel and larger steps the per-expert matmuls on the stacked
         weights (slower than packed ones for prefills: ``bench_fused_moe.py``)."""
         first = self.w13_weight[0]
-        if not can_pack_linear_weight(first) or first.numel() < MIN_PACKED_ELEMENTS[first.dtype]:
+        if not packing_pays(first):
             return
         if cpu_experts.keeps_stacked_weights(self.w13_weight, self.w2_weight):
             return
