@@ -124,7 +124,10 @@ def main() -> None:
                 if fn is None:
                     cells.append(f"{'-':>9}")
                     continue
-                torch.testing.assert_close(fn(x), expected, rtol=tol, atol=tol, msg=label)
+                # transformers' block routes on its own: in bfloat16 a near tie between two
+                # experts' scores may go the other way, so only float32 checks it.
+                if label != "hf" or dtype == torch.float32:
+                    torch.testing.assert_close(fn(x), expected, rtol=tol, atol=tol, msg=label)
                 cells.append(f"{per_call_ms(fn, x, args.repeats):>9.3f}")
             print(f"{name:<14} {n:>6}" + "".join(cells))
 
