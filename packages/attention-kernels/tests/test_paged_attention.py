@@ -296,3 +296,14 @@ def test_cpu_path_cut_into_chunks_of_sequences(monkeypatch, chunk_bytes):
     check(
         torch_ops, mixed_lengths(16, 120), group=2, head_size=64, block_size=16, dtype=torch.float32
     )
+
+
+def test_compiled_kernels_refuse_tensors_off_the_cpu():
+    # Device memory read as host memory would crash the process: refused by name instead (a
+    # meta tensor stands for a GPU's here; on a GPU machine its tensors take the same branch).
+    batch, _ = random_paged_batch([(1, 8)])
+    args = [a.to("meta") for a in batch.args]
+    with pytest.raises(ValueError, match="CPU tensors; got one on meta"):
+        cpu_ops.paged_attention(*args, scale=0.125)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        cpu_ops.rms_norm(torch.empty(2, 8, device="meta"), torch.empty(8), 1e-6)

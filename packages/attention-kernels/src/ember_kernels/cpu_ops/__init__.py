@@ -66,7 +66,15 @@ def one_step():
         _step.depth = depth
 
 
-def _library():
+def _library(*tensors: torch.Tensor):
+    """The loaded kernels, for a call on ``tensors``: CPU tensors only (a kernel handed device
+    memory would read it as host memory and crash the process)."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"ember_kernels.cpu_ops takes CPU tensors; got one on {tensor.device} "
+                "(the ember_kernels functions of the same names dispatch by device)"
+            )
     library = load_library()
     if library is None:
         raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
@@ -84,7 +92,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm over the last dim with float32 statistics (see ``ember_kernels.rms_norm``)."""
-    result = _library().rms_norm(_rows(x), weight.contiguous(), eps)
+    result = _library(x, weight).rms_norm(_rows(x), weight.contiguous(), eps)
     return _shaped(result, x.shape, out)
 
 
@@ -92,7 +100,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` as new tensors (inputs unchanged)."""
-    normed, total = _library().fused_add_rms_norm(
+    normed, total = _library(x, residual, weight).fused_add_rms_norm(
         _rows(x), _rows(residual), weight.contiguous(), eps
     )
     if x.dim() != 2:
@@ -102,7 +110,7 @@ def fused_add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2*d]``."""
-    result = _library().silu_and_mul(_rows(x))
+    result = _library(x).silu_and_mul(_rows(x))
     return _shaped(result, (*x.shape[:-1], x.shape[-1] // 2), out)
 
 
@@ -114,7 +122,7 @@ def rotary_embedding(
     is_neox_style: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of ``query``/``key [num_tokens, heads, head_size]`` (inputs unchanged)."""
-    return _library().rotary_embedding(
+    return _library(positions, query, cos_sin_cache).rotary_embedding(
         positions.to(torch.int64).contiguous(),
         query if query.stride(-1) == 1 else query.contiguous(),
         key if key is None or key.stride(-1) == 1 else key.contiguous(),
@@ -128,7 +136,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x (q * scales)^T + bias`` for ``x [rows, in]`` and an int8 ``q [out, in]`` with float32
     ``scales [out]`` or ``[out, groups]`` (see ``ember_kernels.int8_linear``)."""
-    return _library().int8_linear(
+    return _library(x, q).int8_linear(
         x if x.stride(-1) == 1 else x.contiguous(), q.contiguous(), scales.contiguous(), bias
     )
 
@@ -137,7 +145,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``x W^T + bias`` on a weight packed by ``ember_kernels.packed_linear.pack_linear_weight``:
     bfloat16 steps of a few rows by a matrix-vector kernel that streams the packed weight, where
     the CPU and oneDNN's layout allow, otherwise oneDNN's matmul (see ``kernels.h``)."""
-    out = _library().packed_linear(_rows(x), weight, bias)
+    out = _library(x).packed_linear(_rows(x), weight, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -155,7 +163,7 @@ def lora_shrink(
 ) -> torch.Tensor:
     """Row-by-row ``ember_kernels.lora.lora_shrink`` (x, lora_a and out of one dtype; slot
     indices as a tensor)."""
-    _library().lora_shrink(_rows(x), lora_a.contiguous(), slots.long(), scale, out)
+    _library(x, lora_a).lora_shrink(_rows(x), lora_a.contiguous(), slots.long(), scale, out)
     return out
 
 
@@ -174,7 +182,7 @@ def lora_expand(
         raise ValueError("y: rows must be contiguous")
     if not (lora_b.is_contiguous() or lora_b.transpose(1, 2).is_contiguous()):
         lora_b = lora_b.contiguous()
-    _library().lora_expand(y, _rows(h), lora_b, slots.long(), y_offset, h_offset)
+    _library(y, h, lora_b).lora_expand(y, _rows(h), lora_b, slots.long(), y_offset, h_offset)
     return y
 
 
@@ -193,7 +201,7 @@ def moe_experts(
         topk_weights = topk_weights.float().contiguous()
     if local_ids.dtype != torch.int64 or not local_ids.is_contiguous():
         local_ids = local_ids.long().contiguous()
-    return _library().moe_experts(
+    return _library(hidden, w13, w2).moe_experts(
         _rows(hidden), w13.contiguous(), w2.contiguous(), topk_weights, local_ids
     )
 
@@ -204,7 +212,7 @@ def moe_topk_softmax(
     """``(weights float32, ids int64)``, each ``[tokens, top_k]``: the top-k experts of
     ``softmax(logits [tokens, experts])``, best first, renormalized to sum 1 if asked (see
     ``ember_kernels.moe.select_experts``)."""
-    return _library().moe_topk_softmax(_rows(logits), top_k, renormalize)
+    return _library(logits).moe_topk_softmax(_rows(logits), top_k, renormalize)
 
 
 def w8a8_linear(
@@ -212,7 +220,7 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """``x [rows, in]`` quantized to int8 per row times an int8 ``q [out, in]`` with float32
     ``scales [out]``, plus ``bias`` (see ``ember_kernels.w8a8_linear``)."""
-    return _library().w8a8_linear(x, q.contiguous(), scales.contiguous(), bias)
+    return _library(x, q).w8a8_linear(x, q.contiguous(), scales.contiguous(), bias)
 
 
 def decoder_stack(
@@ -258,7 +266,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``key``/``value`` rows into the caches at ``slot_mapping`` (negative: skipped)."""
-    library = _library()
+    library = _library(key, value, key_cache, value_cache, slot_mapping)
     if not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError("key_cache/value_cache: expected contiguous caches")
     library.reshape_and_cache(
@@ -295,7 +303,7 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are accepted for signature parity; the kernel reads the
     lengths itself.
     """
-    library = _library()
+    library = _library(query, key_cache, value_cache, block_table, query_start_loc, seq_lens)
     check_paged_attention_args(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sliding_window, out
     )
