@@ -281,9 +281,7 @@ class DecoderForCausalLM(nn.Module):
         attention-kernels README has the figures). After loading, since the plain weights are let
         go. A head tied to the embedding is packed as a copy, since the lookup needs the plain
         table: the copy costs the table's size again in memory, as vLLM's CPU backend pays too,
-        and the head is the largest matmul of a step (a Qwen2.5-0.5B head, 151936 x 896, at 32
-        tokens: about 2x faster packed than torch's matmul in float32, 2.3x in bfloat16 at one
-        token; about even in float32 at one token)."""
+        and the head is the largest matmul of a step (the worker README has the figures)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 pack_weight(module)
