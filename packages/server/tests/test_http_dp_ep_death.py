@@ -5,7 +5,6 @@ worker process stays behind. Nothing restarts: a new engine could not rejoin the
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 from server_thread import ServerThread
-from test_http_worker_death import children_of, running
+from test_http_worker_death import assert_gone, children_of, error_after_killing
 
 from ember_server.engine.engine_args import EngineArgs
 
@@ -39,29 +38,21 @@ def test_a_killed_engine_or_rank_fails_every_request_and_leaves_no_process(tiny_
         workers = [pid for engine in engines for pid in children_of(engine)]
         assert len(workers) == 2, workers  # one rank per engine core
         base = f"{server.base_url}/v1"
-        body = dict(prompt="def main(argv):", max_tokens=1000, ignore_eos=True, stream=True)
-        with httpx.Client(timeout=TIMEOUT) as http:
+
+        def idle_victim() -> int:
             # One request, on one engine core; the other runs only the experts' collectives.
-            with http.stream("POST", f"{base}/completions", json=body) as stream:
-                assert stream.status_code == 200
-                lines = stream.iter_lines()
-                first = next(line for line in lines if line.startswith("data:"))
-                busy = next(e for e, load in enumerate(server.engine.router.loads) if load)
-                idle = 1 - busy
-                pid = engines[idle] if victim == "engine" else children_of(engines[idle])[0]
-                os.kill(pid, signal.SIGKILL)
-                events = [first, *(line for line in lines if line.startswith("data:"))]
-            assert events[-1] == "data: [DONE]"
-            error = json.loads(events[-2][5:])["error"]
+            busy = next(e for e, load in enumerate(server.engine.router.loads) if load)
+            idle = engines[1 - busy]
+            return idle if victim == "engine" else children_of(idle)[0]
+
+        with httpx.Client(timeout=TIMEOUT) as http:
+            error = error_after_killing(http, base, idle_victim)
             assert error["code"] == 503 and "engine core" in error["message"], error
             assert http.get(f"{server.base_url}/health").status_code == 503
             late = http.post(f"{base}/completions", json={"prompt": "x", "max_tokens": 2})
             assert late.status_code == 503
         assert server.engine.recovery.num_restarts == 0
-    deadline = time.monotonic() + TIMEOUT
-    while any(map(running, [*engines, *workers])) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(running, [*engines, *workers]))
+    assert_gone([*engines, *workers], TIMEOUT)
 
 
 def test_an_engine_killed_at_start_up_fails_the_start_and_leaves_no_worker(tiny_model):
@@ -87,7 +78,4 @@ def test_an_engine_killed_at_start_up_fails_the_start_and_leaves_no_worker(tiny_
     os.kill(clients[1].pid, signal.SIGKILL)
     with pytest.raises(EngineStartupError, match="during start-up"):
         asyncio.run(AsyncLLM.start(args, clients=clients))
-    deadline = time.monotonic() + TIMEOUT
-    while any(map(running, workers)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(running, workers))
+    assert_gone(workers, TIMEOUT)

@@ -38,6 +38,28 @@ def running(pid: int) -> bool:
     return state != "Z"
 
 
+def error_after_killing(http: httpx.Client, base: str, victim) -> dict:
+    """Stream one long completion, SIGKILL the pid ``victim()`` names once its first event is in,
+    and return the error event the stream ends with (before its ``[DONE]``)."""
+    body = dict(prompt="def main(argv):", max_tokens=1000, ignore_eos=True, stream=True)
+    with http.stream("POST", f"{base}/completions", json=body) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        os.kill(victim(), signal.SIGKILL)
+        events = [first, *(line for line in lines if line.startswith("data:"))]
+    assert events[-1] == "data: [DONE]"
+    return json.loads(events[-2][5:])["error"]
+
+
+def assert_gone(pids: list[int], timeout: float) -> None:
+    """Every process of ``pids`` ends (or is a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, pids))
+
+
 @pytest.mark.parametrize(
     ("arch", "expert_parallel"), [("llama", False), ("mixtral", True)], ids=["tp", "tp-ep"]
 )
@@ -58,21 +80,10 @@ def test_killed_worker_fails_requests_and_leaves_no_process(tiny_model, arch, ex
         workers = children_of(engine_pid)
         assert len(workers) == 2, workers
         base = f"{server.base_url}/v1"
-        body = dict(prompt="def main(argv):", max_tokens=1000, ignore_eos=True, stream=True)
         with httpx.Client(timeout=TIMEOUT) as http:
-            with http.stream("POST", f"{base}/completions", json=body) as stream:
-                assert stream.status_code == 200
-                lines = stream.iter_lines()
-                first = next(line for line in lines if line.startswith("data:"))
-                os.kill(workers[1], signal.SIGKILL)
-                events = [first, *(line for line in lines if line.startswith("data:"))]
-            assert events[-1] == "data: [DONE]"
-            error = json.loads(events[-2][5:])["error"]
+            error = error_after_killing(http, base, lambda: workers[1])
             assert error["code"] == 503 and "worker rank 1" in error["message"], error
             assert http.get(f"{server.base_url}/health").status_code == 503
             late = http.post(f"{base}/completions", json={"prompt": "x", "max_tokens": 2})
             assert late.status_code == 503
-        deadline = time.monotonic() + TIMEOUT
-        while any(map(running, [engine_pid, *workers])) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(running, [engine_pid, *workers]))
+        assert_gone([engine_pid, *workers], TIMEOUT)
