@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from ek_inputs import fresh_generator
@@ -136,11 +138,12 @@ def test_stack_equals_the_per_operation_layers(dtype, packed, bias, qk_norm, win
     assert_stack_equals_per_operation(layers, dtype, seed)
 
 
-def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0):
+def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0, timed=False):
     """Three steps (prefills, one chunked after cached tokens, then a decode of every
     sequence) through the stack and through the per-operation layers: equal outputs and caches.
     With ``num_slots``, every token gets a random LoRA slot (or -1) as well: the prefills have
-    many tokens per adapter (one matmul per adapter), the decode a few (per-row kernels)."""
+    many tokens per adapter (one matmul per adapter), the decode a few (per-row kernels).
+    ``timed``: the stack sums its phases' seconds; returns (stack, seconds in its forwards)."""
     rotary = RotaryEmbedding(HEAD_SIZE, HEAD_SIZE, 64, 10000.0, True, None, dtype)
     num_blocks = 24
     runs = {}
@@ -156,6 +159,8 @@ def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0):
             stack.add_layer(*weights_in_order(layer), key_cache, value_cache, layer["window"])
             for projection, lora in enumerate(layer.get("lora", ())):
                 stack.set_lora(projection, *lora)
+        stack.set_timed(timed)
+        forward_seconds = 0.0
         step_gen = torch.Generator().manual_seed(seed)
         order = torch.randperm(num_blocks, generator=step_gen).to(torch.int32)
         tables = [order[:6], order[6:12], order[12:18]]
@@ -182,7 +187,9 @@ def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0):
             if name == "stack":
                 args = [meta[k] for k in ("positions", "slot_mapping", "block_table")]
                 args += [meta["query_start_loc"], meta["seq_lens"]]
+                start = time.perf_counter()
                 out = stack.forward(x, None, *args, **lora_args)
+                forward_seconds += time.perf_counter() - start
             else:
                 out, residual = x, None
                 for layer, layer_caches in zip(layers, caches):
@@ -196,6 +203,26 @@ def assert_stack_equals_per_operation(layers, dtype, seed, num_slots=0):
         assert torch.equal(a, b) and torch.equal(ra, rb), f"seed {seed}"
     for per_op, stacked in zip(*(runs[n][1] for n in runs)):
         assert all(torch.equal(x, y) for x, y in zip(per_op, stacked)), f"seed {seed}: caches"
+    return stack, forward_seconds
+
+
+@pytest.mark.parametrize("dtype", packable_dtypes())
+def test_timed_stack_sums_each_phase_within_its_forwards(dtype):
+    """Timing changes no number, and the phases' sums (every one of them run) fit inside the
+    forwards' own wall-clock time; turning timing on again starts from zero."""
+    gen, seed = fresh_generator()
+    layers = [random_layer(gen, dtype, True, True, w) for w in (0, 5)]
+    for layer in layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            layer[name] = pack_linear_weight(layer[name])
+    stack, forward_seconds = assert_stack_equals_per_operation(layers, dtype, seed, timed=True)
+    phases = dict(stack.phase_seconds())
+    assert list(phases) == ["norms", "qkv", "qk_norm_rope_cache", "attention", "o_proj",
+                            "gate_up", "silu_and_mul", "down"]  # fmt: skip
+    assert all(seconds > 0 for seconds in phases.values())
+    assert sum(phases.values()) <= forward_seconds
+    stack.set_timed(True)
+    assert all(seconds == 0 for _, seconds in stack.phase_seconds())
 
 
 def random_lora(gen, dtype, num_slots, rank):

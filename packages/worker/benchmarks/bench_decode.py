@@ -26,6 +26,9 @@ per-channel weights, activations quantized per token): the LM head (tied) stays 
     python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16,bfloat16-int8 --skip-batched
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16-int8,bfloat16-w8a8
+
+``--split`` then splits each dtype's batch-1 decode steps by phase (``step_split``): the compiled
+stack's phases, the LM head, the sampler and the rest of the step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import argparse
 import time
 
 import torch
+from step_split import split_decode_steps
 
 from ember_kernels.int8_linear import weight_group_size
 from ember_scheduler.config import SchedulerConfig
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-batched", action="store_true")
     parser.add_argument("--output", type=int, default=OUTPUT, help="tokens out per request")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--split", action="store_true", help="split batch-1 steps by phase")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     engines = {name: make_engine(name, args.threads) for name in dtypes}
@@ -198,6 +203,17 @@ def main(argv: list[str] | None = None) -> None:
         bytes_ = decode_bytes(dtype, args.output, split_name(name)[1])
         print(f"batch 1  {name:14} best {rate:7.1f} tok/s  "
               + decode_roofline(rate, bytes_, probe.triad, probe.read))  # fmt: skip
+    for name, core in engines.items() if args.split else ():
+        dtype, quantized = split_name(name)
+        if quantized:
+            print(f"split: {name} skipped (the weight bytes counted here are the dtype's)")
+            continue
+        element = getattr(torch, dtype).itemsize
+        head = QWEN_05B["vocab_size"] * QWEN_05B["hidden_size"] * element
+        lines = split_decode_steps(
+            core, prompts(1, 7)[0], args.output, linear_params(with_head=False) * element, head
+        )
+        print(f"{name}:", *lines, sep="\n")
 
 
 if __name__ == "__main__":

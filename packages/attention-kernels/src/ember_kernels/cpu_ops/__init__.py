@@ -245,7 +245,10 @@ def decoder_stack(
     then call ``forward(hidden_states, residual, positions, slot_mapping, block_table,
     query_start_loc, seq_lens, lora_slots=None)`` for ``(hidden_states, residual)`` after every
     layer, with the same numbers as the per-operation functions here (``lora_slots``: each
-    token's adapter slot, -1 for none). Runs without the GIL."""
+    token's adapter slot, -1 for none). Runs without the GIL. ``set_timed(True)`` makes forward
+    sum each phase's wall-clock seconds over layers and steps (norms, qkv, qk_norm_rope_cache,
+    attention, o_proj, gate_up, silu_and_mul, down), read with ``phase_seconds()`` as
+    ``[(phase, seconds), ...]``: where a step's time goes besides the weight streaming."""
     return _library().DecoderStack(
         num_heads, num_kv_heads, head_size, rms_norm_eps, scale, cos_sin_cache, is_neox_style
     )

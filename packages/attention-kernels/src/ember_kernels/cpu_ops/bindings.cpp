@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_weight_scales", &DecoderStack::set_weight_scales)
       .def("set_lora", &DecoderStack::set_lora)
+      .def("set_timed", &DecoderStack::set_timed)
+      .def("phase_seconds", &DecoderStack::phase_seconds)
       .def("forward", &DecoderStack::forward, pybind11::arg("hidden_states"),
            pybind11::arg("residual"), pybind11::arg("positions"), pybind11::arg("slot_mapping"),
            pybind11::arg("block_table"), pybind11::arg("query_start_loc"),

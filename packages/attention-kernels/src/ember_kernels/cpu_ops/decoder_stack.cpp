@@ -8,7 +8,11 @@
 
 #include "kernels.h"
 
+#include <algorithm>
+#include <chrono>
+#include <iterator>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -44,6 +48,26 @@ at::Tensor linear_then_bias(const at::Tensor& x, const at::Tensor& weight,
   lora_add(x, y, lora_a, lora_b, rows);
   return bias.defined() ? y + bias : y;
 }
+
+// Adds the seconds since the last mark to one phase's sum, where the stack is timed.
+class PhaseClock {
+ public:
+  explicit PhaseClock(double* sums) : sums_(sums) {
+    if (sums_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(int phase) {
+    if (sums_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    sums_[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* sums_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+enum Phase { NORMS, QKV, QK_NORM_ROPE_CACHE, ATTENTION, O_PROJ, GATE_UP, SILU_AND_MUL, DOWN };
 
 // Per-head RMSNorm of [tokens, heads, head_size] (a strided view of the q/k/v projection).
 at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -88,6 +112,7 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
   TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0 &&
                         down.size(1) == gate_up.size(0) / 2,
                     "gate_up/down: expected [2 * intermediate, hidden] and [hidden, intermediate]");
+  if (layers_.empty()) cos_sin_in_dtype_ = cos_sin_cache_.to(input_norm.scalar_type());
   layers_.push_back(Layer{input_norm.contiguous(), qkv, held(qkv_bias),
                           q_norm ? q_norm->contiguous() : at::Tensor(),
                           k_norm ? k_norm->contiguous() : at::Tensor(), o_proj, held(o_bias),
@@ -162,7 +187,11 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
   const at::Tensor table32 = block_table.to(at::kInt);
   const at::Tensor starts32 = query_start_loc.to(at::kInt).contiguous();
   const at::Tensor lens32 = seq_lens.to(at::kInt).contiguous();
-  const at::Tensor cos_sin = cos_sin_cache_.to(hidden.scalar_type());
+  const at::Tensor cos_sin = cos_sin_in_dtype_.defined() &&
+                                     cos_sin_in_dtype_.scalar_type() == hidden.scalar_type()
+                                 ? cos_sin_in_dtype_
+                                 : cos_sin_cache_.to(hidden.scalar_type());
+  PhaseClock clock(timed_ ? phase_seconds_ : nullptr);
   at::Tensor residual = held(residual_in);
   for (const Layer& layer : layers_) {
     if (!residual.defined()) {
@@ -171,9 +200,11 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     } else {
       std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
     }
+    clock.mark(NORMS);
     at::Tensor qkv = linear(hidden, layer.qkv, layer.qkv_bias, layer.qkv_scale,
                             layer.quantize_activations);
     lora_add(hidden, qkv, layer.lora[0].a, layer.lora[0].b, lora);
+    clock.mark(QKV);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_size_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_size_});
     const at::Tensor v =
@@ -187,19 +218,39 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     k = *rotated_k;
     at::Tensor key_cache = layer.key_cache, value_cache = layer.value_cache;
     reshape_and_cache(k, v, key_cache, value_cache, slots64);
+    clock.mark(QK_NORM_ROPE_CACHE);
     at::Tensor attended = at::empty_like(q);
     paged_attention(q, key_cache, value_cache, table32, starts32, lens32, scale_,
                     layer.sliding_window, 0.0, attended);
+    clock.mark(ATTENTION);
     hidden = linear_then_bias(attended.view({tokens, q_size}), layer.o_proj, layer.o_bias,
                               layer.o_scale, layer.quantize_activations, layer.lora[1].a,
                               layer.lora[1].b, lora);
+    clock.mark(O_PROJ);
     std::tie(hidden, residual) = fused_add_rms_norm(hidden, residual, layer.post_norm, eps_);
+    clock.mark(NORMS);
     at::Tensor gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias, layer.gate_up_scale,
                                 layer.quantize_activations);
     lora_add(hidden, gate_up, layer.lora[2].a, layer.lora[2].b, lora);
-    hidden = linear_then_bias(silu_and_mul(gate_up), layer.down, layer.down_bias,
-                              layer.down_scale, layer.quantize_activations, layer.lora[3].a,
-                              layer.lora[3].b, lora);
+    clock.mark(GATE_UP);
+    const at::Tensor activated = silu_and_mul(gate_up);
+    clock.mark(SILU_AND_MUL);
+    hidden = linear_then_bias(activated, layer.down, layer.down_bias, layer.down_scale,
+                              layer.quantize_activations, layer.lora[3].a, layer.lora[3].b, lora);
+    clock.mark(DOWN);
   }
   return {hidden, residual};
+}
+
+void DecoderStack::set_timed(bool timed) {
+  timed_ = timed;
+  if (timed) std::fill(std::begin(phase_seconds_), std::end(phase_seconds_), 0.0);
+}
+
+std::vector<std::pair<std::string, double>> DecoderStack::phase_seconds() const {
+  std::vector<std::pair<std::string, double>> sums;
+  for (int phase = 0; phase < NUM_PHASES; ++phase) {
+    sums.emplace_back(PHASES[phase], phase_seconds_[phase]);
+  }
+  return sums;
 }

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -129,6 +130,18 @@ class DecoderStack {
       const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
       std::optional<at::Tensor> lora_slots, bool lora_grouped) const;
 
+  // The phases of a layer, in order, that ``phase_seconds`` reports (each matmul's phase holds
+  // its parallel region's start and end, a step's time outside the weight streaming is the rest).
+  static constexpr const char* PHASES[] = {"norms",  "qkv",     "qk_norm_rope_cache",
+                                           "attention", "o_proj", "gate_up",
+                                           "silu_and_mul", "down"};
+  static constexpr int NUM_PHASES = sizeof(PHASES) / sizeof(PHASES[0]);
+  // Whether forward adds each phase's wall-clock seconds, summed over layers and steps, to
+  // ``phase_seconds`` (off: no clock is read). Turning it on zeroes the sums.
+  void set_timed(bool timed);
+  // {phase: seconds} summed since timing was turned on (a profiling aid: bench_decode --split).
+  std::vector<std::pair<std::string, double>> phase_seconds() const;
+
  private:
   struct LoRA {
     at::Tensor a;                // undefined: no adapter slots on this projection
@@ -145,6 +158,11 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;
   at::Tensor cos_sin_cache_;
+  // The cache in the layers' dtype (that of the first layer's norm), converted once rather than
+  // at every step.
+  at::Tensor cos_sin_in_dtype_;
   bool is_neox_style_;
   std::vector<Layer> layers_;
+  bool timed_ = false;
+  mutable double phase_seconds_[NUM_PHASES] = {};
 };
