@@ -76,6 +76,29 @@ def test_packed_bfloat16_linear_matches_torch(tokens):
 @pytest.mark.skipif(
     not (has_bf16_arithmetic() and cpu_ops.available()), reason="no bfloat16 dot products here"
 )
+@pytest.mark.parametrize("out_features", [64, 320, 640, 1152])
+def test_one_row_equals_the_same_row_in_a_pair(out_features):
+    """One row streams four blocks of channels at a time (with prefetch), two rows two: each
+    block's sums run in the same order either way, so a row gives the same bits alone or
+    beside another (block counts with and without a remainder of four, per thread)."""
+    if not cpu_ops.packed_gemv_applies(
+        torch.zeros(1, 96, dtype=torch.bfloat16),
+        pack_linear_weight(torch.zeros(64, 96, dtype=torch.bfloat16)),
+        None,
+    ):
+        pytest.skip("no matrix-vector kernel on this CPU")
+    gen, seed = fresh_generator()
+    weight = torch.randn(out_features, 896, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(1, 896, generator=gen).bfloat16()
+    packed = pack_linear_weight(weight)
+    alone = cpu_ops.packed_linear(x, packed, b)
+    paired = cpu_ops.packed_linear(torch.cat([x, -x]), packed, b)
+    assert torch.equal(alone[0], paired[0]), f"seed {seed}"
+    expected = F.linear(x.double(), weight.double(), b.double())
+    torch.testing.assert_close(alone.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 320), (4864, 128), (64, 160)])
 @pytest.mark.parametrize("bias", [False, True])

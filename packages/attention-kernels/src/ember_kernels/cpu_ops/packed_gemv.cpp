@@ -36,6 +36,10 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribut
 namespace {
 
 constexpr int64_t BLOCK = 64;  // output channels per block of the packed layout
+// How far ahead of each block's stream a one-row step asks for the weight in L2: the hardware
+// prefetchers alone keep too few lines in flight for one core to stream at the memory's speed
+// (the A/B is in the package README).
+constexpr int64_t PREFETCH_BYTES = 1024;
 
 at::Tensor onednn_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
@@ -108,7 +112,9 @@ inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
 
 // Output channels [block * BLOCK, (block + B) * BLOCK) of M rows: for each pair of inputs, the
 // pair of each row broadcast and dotted with the next BLOCK channels' pairs (four vectors per
-// block), so the weight streams through once, in its stored order.
+// block), so the weight streams through once, in its stored order; one row also prefetches each
+// block's stream PREFETCH_BYTES ahead (past a weight's end a prefetch reads nothing, and never
+// faults).
 template <int M, int B>
 void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
                  const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride) {
@@ -122,6 +128,10 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
     for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_set1_epi32(x[m * x_stride + kp]);
     for (int b = 0; b < B; ++b) {
       const uint16_t* line = w + (b * pairs + kp) * BLOCK * 2;
+      if constexpr (M == 1) {
+        const char* ahead = reinterpret_cast<const char*>(line) + PREFETCH_BYTES;
+        for (int i = 0; i < 4; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
+      }
       for (int i = 0; i < 4; ++i) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line + 32 * i);
         for (int m = 0; m < M; ++m) acc[m][b][i] = _mm512_dpbf16_ps(acc[m][b][i], xs[m], wv);
@@ -140,13 +150,13 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
   }
 }
 
-// Blocks [begin, end): two at a time for one or two rows (more loads in flight; the
+// Blocks [begin, end): four at a time for one row, two for two (more streams in flight; the
 // accumulators of more rows fill the registers), one at a time above.
 template <int M>
 void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
                 const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
                 int64_t y_stride) {
-  constexpr int B = M <= 2 ? 2 : 1;
+  constexpr int B = M == 1 ? 4 : M == 2 ? 2 : 1;
   int64_t block = begin;
   for (; block + B <= end; block += B) {
     gemv_blocks<M, B>(x, x_stride, w + block * BLOCK * K, K,
