@@ -24,6 +24,7 @@ per-channel weights, activations quantized per token): the LM head (tied) stays 
     python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16,bfloat16-int8 --skip-batched
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16-int8,bfloat16-w8a8
+    python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16 --skip-batch1
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--skip-batch1", action="store_true")
     parser.add_argument("--output", type=int, default=OUTPUT, help="tokens out per request")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args(argv)
@@ -164,12 +166,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, core in engines.items():
             dtype = getattr(torch, activation[name])
             quantized = split_name(name)[1]
-            _, decode_s, produced = run(
-                core, prompts(1, round_), f"b1-{name}-{round_}", args.output
-            )
-            rate = (produced - 1) / decode_s
-            print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
-                  + decode_roofline(rate, decode_bytes(dtype, args.output, quantized), bandwidth), flush=True)  # fmt: skip
+            if not args.skip_batch1:
+                _, decode_s, produced = run(
+                    core, prompts(1, round_), f"b1-{name}-{round_}", args.output
+                )
+                rate = (produced - 1) / decode_s
+                print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
+                      + decode_roofline(rate, decode_bytes(dtype, args.output, quantized), bandwidth), flush=True)  # fmt: skip
             if args.skip_batched:
                 continue
             first_s, rest_s, produced = run(
