@@ -26,6 +26,7 @@ per-channel weights, activations quantized per token): the LM head (tied) stays 
     python3 packages/worker/benchmarks/bench_decode.py [--rounds 2] [--dtypes float32,bfloat16]
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16,bfloat16-int8 --skip-batched
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16-int8,bfloat16-w8a8
+    python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16 --skip-batch1
 
 ``--split`` then splits each dtype's batch-1 decode steps by phase (``step_split``): the compiled
 stack's phases, the LM head, the sampler and the rest of the step.
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--skip-batch1", action="store_true")
     parser.add_argument("--output", type=int, default=OUTPUT, help="tokens out per request")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--split", action="store_true", help="split batch-1 steps by phase")
@@ -176,13 +178,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, core in engines.items():
             dtype = getattr(torch, activation[name])
             quantized = split_name(name)[1]
-            _, decode_s, produced = run(
-                core, prompts(1, round_), f"b1-{name}-{round_}", args.output
-            )
-            rate = (produced - 1) / decode_s
-            best_rate[name] = max(best_rate[name], rate)
-            print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
-                  + decode_roofline(rate, decode_bytes(dtype, args.output, quantized), triad), flush=True)  # fmt: skip
+            if not args.skip_batch1:
+                _, decode_s, produced = run(
+                    core, prompts(1, round_), f"b1-{name}-{round_}", args.output
+                )
+                rate = (produced - 1) / decode_s
+                best_rate[name] = max(best_rate[name], rate)
+                print(f"batch 1  {name:14} {rate:7.1f} tok/s  "
+                      + decode_roofline(rate, decode_bytes(dtype, args.output, quantized), triad), flush=True)  # fmt: skip
             if args.skip_batched:
                 continue
             first_s, rest_s, produced = run(
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         f"best of the run: triad {probe.triad / 1e9:.1f} GB/s (the roofline), "
         f"read {probe.read / 1e9:.1f} GB/s"
     )
-    for name, rate in best_rate.items():
+    for name, rate in best_rate.items() if not args.skip_batch1 else ():
         dtype = getattr(torch, activation[name])
         bytes_ = decode_bytes(dtype, args.output, split_name(name)[1])
         print(f"batch 1  {name:14} best {rate:7.1f} tok/s  "

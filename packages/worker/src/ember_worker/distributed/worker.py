@@ -36,6 +36,7 @@ from ember_spec_decode import SpeculativeConfig
 from ember_worker.distributed.groups import ParallelConfig, RankGroups, single_rank_groups
 from ember_worker.expert_load import ExpertLoadStats, check_log_interval
 from ember_worker.hf_config import load_hf_config, resolve_model_path
+from ember_worker.host_memory import retain_freed_host_memory
 from ember_worker.kv_cache import kv_cache_budget
 from ember_worker.kv_connector import TieredConnectorWorker, layout_fingerprint
 from ember_worker.model_loader import load_model
@@ -157,6 +158,8 @@ class Worker:
             expert_placement_strategy=config.parallel.expert_placement_strategy,
             ep=groups.ep,
         )
+        if self.device.type == "cpu":  # after loading: its temporary copies go back
+            retain_freed_host_memory()
         limit = self.loaded.config.max_position_embeddings
         max_model_len = limit if config.max_model_len is None else config.max_model_len
         if not isinstance(max_model_len, int) or not 0 < max_model_len <= limit:
