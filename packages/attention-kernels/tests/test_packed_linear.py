@@ -99,14 +99,18 @@ def test_one_row_equals_the_same_row_in_a_pair(out_features):
     torch.testing.assert_close(alone.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5])
+@pytest.mark.skipif(
+    not (has_bf16_arithmetic() and cpu_ops.available()), reason="no bfloat16 dot products here"
+)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 13, 32, 33])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 320), (4864, 128), (64, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features, bias):
-    """A few bfloat16 rows (decoding) on a packed weight: float32 sums rounded once, whichever
-    path runs; the matrix-vector kernel runs for up to 4 rows where the CPU has AVX512-BF16 and
-    the output channels fill oneDNN's blocks of 64, and the per-operation path and the compiled
-    stack call the same function."""
+    """Up to a decode batch of bfloat16 rows on a packed weight: float32 sums rounded once,
+    whichever path runs; Ember's kernel runs for up to 32 rows (above 4 in tiles of 6 rows, a
+    ragged last tile included) where the CPU has AVX512-BF16 and the output channels fill
+    oneDNN's blocks of 64, and the per-operation path and the compiled stack call the same
+    function."""
     gen, seed = fresh_generator()
     weight = torch.randn(in_features, out_features, generator=gen).bfloat16().t()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
@@ -117,7 +121,7 @@ def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
     assert torch.equal(got, cpu_ops.packed_linear(x, packed, b))
-    runs_kernel = tokens <= 4 and out_features % 64 == 0 and "avx512_bf16" in cpu_flags()
+    runs_kernel = tokens <= 32 and out_features % 64 == 0 and "avx512_bf16" in cpu_flags()
     assert cpu_ops.packed_gemv_applies(x, packed, b) == runs_kernel
     view = torch.randn(tokens, 2 * in_features, generator=gen).bfloat16()[:, :in_features]
     assert torch.equal(linear(view, packed, b), linear(view.contiguous(), packed, b))

@@ -152,8 +152,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_gemv_applies(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
-    """Whether ``packed_linear`` runs its matrix-vector kernel for these operands (a bfloat16
-    ``x`` of at most ``PACKED_GEMV_MAX_ROWS`` rows, a CPU with AVX512-BF16, a packed layout the
+    """Whether ``packed_linear`` runs Ember's decode-step kernel for these operands (a bfloat16
+    ``x`` of at most ``PACKED_GEMV_MAX_ROWS`` (32) rows, a CPU with AVX512-BF16, a packed layout the
     kernel reads)."""
     return _library().packed_gemv_applies(_rows(x), weight, bias)
 

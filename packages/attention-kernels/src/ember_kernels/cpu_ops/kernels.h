@@ -39,10 +39,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 
 // y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 steps
-// of up to PACKED_GEMV_MAX_ROWS rows stream the packed weight through AVX512-BF16 dot products
-// where the CPU has them and the layout is known (packed_gemv.cpp), the rest oneDNN's matmul.
-// Summed in float32 and rounded once to x's dtype either way.
-constexpr int64_t PACKED_GEMV_MAX_ROWS = 4;
+// of up to PACKED_GEMV_MAX_ROWS rows (a decode batch) stream the packed weight through
+// AVX512-BF16 dot products where the CPU has them and the layout is known (packed_gemv.cpp),
+// larger ones (prefill) oneDNN's matmul. Summed in float32 and rounded once to x's dtype either
+// way.
+constexpr int64_t PACKED_GEMV_MAX_ROWS = 32;
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 // Whether packed_linear runs the matrix-vector kernel for these operands.

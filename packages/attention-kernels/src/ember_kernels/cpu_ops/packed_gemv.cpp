@@ -1,9 +1,10 @@
-// y = x W^T (+ b) on a weight packed for oneDNN (ember_kernels.packed_linear), and the
-// matrix-vector path for a few bfloat16 rows (decoding): a step of one token reads every weight
-// once, so it runs at the speed memory streams the weight in. oneDNN's matmul reached 0.5-0.8 of
-// a summing loop's read bandwidth at one row (benchmarks/bench_packed_gemv.py); here each thread
-// streams its equal share of blocks one after another, straight from the packed bytes (no second
-// copy), with AVX512-BF16 dot products into float32.
+// y = x W^T (+ b) on a weight packed for oneDNN (ember_kernels.packed_linear), and Ember's own
+// path for the rows of a decode step in bfloat16: a step of one token reads every weight once,
+// so it runs at the speed memory streams the weight in. oneDNN's matmul reached 0.5-0.8 of a
+// summing loop's read bandwidth at one row, and below its large-batch rate at 8-32 rows
+// (benchmarks/bench_packed_gemv.py); here each thread streams its equal share of blocks one after
+// another, straight from the packed bytes (no second copy), with AVX512-BF16 dot products into
+// float32, a block's rows in register tiles while its weights are in cache.
 //
 // The packed layout is oneDNN's choice, opaque to torch. Whether it is the one read here (blocks
 // of BLOCK output channels, each holding pairs of inputs for its BLOCK channels in turn:
@@ -20,6 +21,7 @@
 #include "bf16_dot.h"
 #include "kernels.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -40,6 +42,7 @@ constexpr int64_t BLOCK = 64;  // output channels per block of the packed layout
 // prefetchers alone keep too few lines in flight for one core to stream at the memory's speed
 // (the A/B is in the package README).
 constexpr int64_t PREFETCH_BYTES = 1024;
+constexpr int GEMM_ROW_TILE = 6;  // rows per register tile above 4 rows: 24 accumulators
 
 at::Tensor onednn_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
@@ -168,6 +171,31 @@ void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
   }
 }
 
+// Blocks [begin, end) for any number of rows: each block's rows in tiles of at most ROW_TILE
+// (what the registers hold beside a block's four weight vectors), so the first tile streams the
+// block's weights in from memory and the others read them again from cache.
+template <int ROW_TILE>
+void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int64_t x_stride,
+                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                int64_t y_stride) {
+  for (int64_t block = begin; block < end; ++block) {
+    const uint16_t* wb = w + block * BLOCK * K;
+    const c10::BFloat16* bb = bias ? bias + block * BLOCK : nullptr;
+    for (int64_t row = 0; row < rows; row += ROW_TILE) {
+      const uint32_t* xr = x + row * x_stride;
+      c10::BFloat16* yr = y + row * y_stride + block * BLOCK;
+      switch (std::min<int64_t>(ROW_TILE, rows - row)) {
+        case 1: gemv_blocks<1, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+        case 2: gemv_blocks<2, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+        case 3: gemv_blocks<3, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+        case 4: gemv_blocks<4, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+        case 5: gemv_blocks<5, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+        default: gemv_blocks<ROW_TILE, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+      }
+    }
+  }
+}
+
 at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -183,7 +211,8 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const at::
       case 1: gemv_range<1>(begin, end, xs, x_stride, w, K, b, out, N); break;
       case 2: gemv_range<2>(begin, end, xs, x_stride, w, K, b, out, N); break;
       case 3: gemv_range<3>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      default: gemv_range<4>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      case 4: gemv_range<4>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      default: gemm_range<GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, K, b, out, N); break;
     }
   });
   return y;
