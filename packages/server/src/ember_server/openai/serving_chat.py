@@ -229,7 +229,9 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     completion_tokens += len(output.token_ids)
                     wants_logprobs = request.logprobs and output.token_ids
-                    if not (output.text or output.finish_reason or wants_logprobs):
+                    # As in completions: new tokens make a chunk even without text (a parsed
+                    # choice stream may still hold them back as no piece).
+                    if not (output.text or output.token_ids or output.finish_reason):
                         continue
                     if output.finish_reason is not None:
                         finished.add(output.index)

@@ -220,8 +220,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         text_offsets[index] = 0
                         if request.echo:
                             text = prompts[prompt_index].text + text
-                    wants_logprobs = request.logprobs is not None and output.token_ids
-                    if not (text or output.finish_reason or wants_logprobs):
+                    # A chunk for every output with new tokens, even ones that render as no
+                    # text yet (held-back partial UTF-8 or stop-string text, special tokens):
+                    # clients time the first token and the gaps between tokens by them.
+                    if not (text or output.token_ids or output.finish_reason):
                         continue
                     if request.logprobs is None:
                         choice = text_choice(index, text, output.finish_reason, output.stop_reason)

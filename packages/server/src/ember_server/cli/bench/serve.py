@@ -3,7 +3,9 @@
 For each concurrency level it sends ``--num-prompts`` requests (random token-id prompts, greedy,
 ``ignore_eos`` so every request yields exactly ``--output-len`` tokens), at most ``concurrency``
 in flight, and reports request throughput, output tokens/s, time to first token and inter-token
-latency (p50, p99; ITL is measured between streamed chunks, as vLLM's benchmark does).
+latency (p50, p99). As in vLLM's benchmark, the first token is the first chunk that carries a
+choice, whatever its text (a random-weight model's tokens mostly render as nothing), and ITL is
+measured between such chunks.
 
 The client is aiohttp, as in vLLM's serving benchmark: where the load generator shares the cores
 with the server, the client's own time per streamed chunk counts as the server's time to first
@@ -76,7 +78,7 @@ async def _stream_one(
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0]["text"]:
+                if chunk["choices"]:  # a token, its text possibly empty (or held back)
                     now = time.perf_counter()
                     if result.ttft_s == 0.0:
                         result.ttft_s = now - start
