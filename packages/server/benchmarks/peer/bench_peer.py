@@ -21,7 +21,10 @@ a wider one (hidden 512, 8 layers, GQA 8/2), and the Qwen2.5-0.5B and -1.5B shap
 - where a served token's CPU goes, at the top concurrency on the fixed workload: CPU milliseconds
   per output token of the API server process and of the processes it started (the engine core);
 - each engine's served-to-offline efficiency: served at the top concurrency / offline, fixed;
-- the CPU steal during each engine's runs (a VM whose host gives its CPUs to others runs slower).
+- the CPU steal during each engine's runs (a VM whose host gives its CPUs to others runs slower);
+- the roofline of the offline rows (``matmul_share``): each engine's matmul GFLOP/s against the
+  matmul library's peak at the dtype measured in the same run, and the share 1.5x the best vLLM
+  would need.
 
 N is 64 for the small models and 32 for the real shapes. Each figure is printed for every engine
 with the Ember / best-vLLM ratio (time-to-first-token ratios and times are vLLM / Ember, so above
@@ -345,6 +348,7 @@ def compare(vllm_python: str, models: list[str], dtypes: list[str], offline_only
                 figures[label]["cpu_steal_pct"] = 100 * steal / max(total, 1)
                 print(f"{name} {dtype} {label}: {json.dumps(figures[label])}", flush=True)
             _print_table(name, dtype, size, figures)
+            _print_matmul_share(model, dtype, size, figures)
 
 
 def _print_table(name: str, dtype: str, size: dict, figures: dict) -> None:
@@ -368,6 +372,21 @@ def _print_table(name: str, dtype: str, size: dict, figures: dict) -> None:
     top = f"conc{size['concurrency'][-1]}"
     efficiency = ", ".join(f"{e} {f[top] / f['fixed']:.2f}" for e, f in figures.items())
     print(f"served {top} / offline, fixed workload: {efficiency}", flush=True)
+
+
+def _print_matmul_share(model: str, dtype: str, size: dict, figures: dict) -> None:
+    """The offline rows against the matmul library's peak at ``dtype`` (``matmul_share``)."""
+    import torch
+    from matmul_share import flops_per_output_token, share_lines
+
+    from ember_testing.roofline import matmul_peak
+
+    per_token = {
+        kind: flops_per_output_token(model, [len(p) for p in prompts], outs)
+        for kind, (prompts, outs) in ((k, workload(k, size["prompts"])) for k in ("fixed", "mixed"))
+    }
+    peak = matmul_peak(getattr(torch, dtype))
+    print(*share_lines(figures, per_token, peak, target=1.5), sep="\n", flush=True)
 
 
 def main() -> int:
