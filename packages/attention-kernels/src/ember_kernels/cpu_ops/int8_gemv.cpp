@@ -5,7 +5,7 @@
 // instead cost three instructions per 16 weights and held the kernel at about half the read
 // bandwidth bfloat16's matrix-vector kernel reaches (benchmarks/bench_packed_gemv.py); here it is
 // two per 32. The weight keeps its plain [N, K] layout: the threads take contiguous runs of output
-// channels, so each already reads contiguous bytes.
+// channels, so each reads contiguous bytes, in a few long streams (stream_runs).
 //
 // Exactness: an int16 holds 15 bits of each group's largest magnitude, and a bfloat16 (float16)
 // activation has 8 (11) significant bits, so the quantization error is well under the activations'
@@ -81,40 +81,66 @@ void quantize_rows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t g
   }
 }
 
-// Output channel n of M rows: its weight row read once, front to back (side by side, several
-// rows' short streams ran at half the bandwidth: the prefetchers follow one long stream better),
-// in A interleaved sums per row to hide the multiply-adds' latency; each group's int32 sums scaled
-// into a float total.
-template <int M, int A, typename T>
-void channel(int64_t n, int64_t N, int64_t K, int64_t group, const int8_t* w,
-             const float* w_scales, const int16_t* xq, const float* xs, const T* bias, T* y) {
+// Output channels ns[0..C) of M rows: each weight row read once, front to back, C rows side by
+// side, in A interleaved sums per row and channel to hide the multiply-adds' latency; each
+// group's int32 sums scaled into a float total.
+template <int M, int A, int C, typename T>
+void channels(const int64_t* ns, int64_t N, int64_t K, int64_t group, const int8_t* w,
+              const float* w_scales, const int16_t* xq, const float* xs, const T* bias, T* y) {
   const int64_t groups = K / group;
-  const int8_t* row = w + n * K;
-  vf total[M];
-  for (int m = 0; m < M; ++m) total[m] = splat(0.f);
+  const int8_t* row[C];
+  for (int c = 0; c < C; ++c) row[c] = w + ns[c] * K;
+  vf total[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) total[m][c] = splat(0.f);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[A][M];
+    __m512i acc[A][M][C];
     for (int a = 0; a < A; ++a)
-      for (int m = 0; m < M; ++m) acc[a][m] = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) acc[a][m][c] = _mm512_setzero_si512();
     for (int64_t k = g * group; k < (g + 1) * group; k += A * CHUNK) {
       for (int a = 0; a < A; ++a) {
-        const __m512i wv = load_int8_as_int16(row + k + a * CHUNK);
-        for (int m = 0; m < M; ++m) {
-          acc[a][m] = dot_pairs(acc[a][m], wv, _mm512_loadu_si512(xq + m * K + k + a * CHUNK));
+        __m512i xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xq + m * K + k + a * CHUNK);
+        for (int c = 0; c < C; ++c) {
+          const __m512i wv = load_int8_as_int16(row[c] + k + a * CHUNK);
+          for (int m = 0; m < M; ++m) acc[a][m][c] = dot_pairs(acc[a][m][c], wv, xv[m]);
         }
       }
     }
     for (int m = 0; m < M; ++m) {
-      __m512i sum = acc[0][m];
-      for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[a][m]);
-      const __m512 sums = _mm512_cvtepi32_ps(sum);
-      vf f;
-      std::memcpy(&f, &sums, sizeof(f));
-      total[m] += f * splat(w_scales[n * groups + g] * xs[m * groups + g]);
+      for (int c = 0; c < C; ++c) {
+        __m512i sum = acc[0][m][c];
+        for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[a][m][c]);
+        const __m512 sums = _mm512_cvtepi32_ps(sum);
+        vf f;
+        std::memcpy(&f, &sums, sizeof(f));
+        total[m][c] += f * splat(w_scales[ns[c] * groups + g] * xs[m * groups + g]);
+      }
     }
   }
-  const float add = bias ? static_cast<float>(bias[n]) : 0.f;
-  for (int m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(hsum(total[m]) + add);
+  for (int c = 0; c < C; ++c) {
+    const float add = bias ? static_cast<float>(bias[ns[c]]) : 0.f;
+    for (int m = 0; m < M; ++m) y[m * N + ns[c]] = static_cast<T>(hsum(total[m][c]) + add);
+  }
+}
+
+// Channels [n0, n1) as C equal runs read side by side, each run one long stream (the prefetchers
+// keep several long streams ahead, where adjacent rows read side by side made short streams of one
+// row each and ran at half the bandwidth), and the remainder one channel at a time.
+template <int M, int A, typename T>
+void stream_runs(int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t group, const int8_t* w,
+                 const float* s, const int16_t* xq, const float* xs, const T* bias, T* y) {
+  constexpr int C = M == 1 ? 4 : 2;  // the sums of more rows fill the registers
+  const int64_t run = (n1 - n0) / C;
+  int64_t ns[C];
+  for (int64_t i = 0; i < run; ++i) {
+    for (int c = 0; c < C; ++c) ns[c] = n0 + c * run + i;
+    channels<M, A, C>(ns, N, K, group, w, s, xq, xs, bias, y);
+  }
+  for (int64_t n = n0 + C * run; n < n1; ++n) {
+    channels<M, A, 1>(&n, N, K, group, w, s, xq, xs, bias, y);
+  }
 }
 
 template <int M, typename T>
@@ -122,9 +148,9 @@ void channel_range(int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t group,
                    const int8_t* w, const float* s, const int16_t* xq, const float* xs,
                    const T* bias, T* y) {
   if (group % (2 * CHUNK) == 0) {
-    for (int64_t n = n0; n < n1; ++n) channel<M, 2>(n, N, K, group, w, s, xq, xs, bias, y);
+    stream_runs<M, 2>(n0, n1, N, K, group, w, s, xq, xs, bias, y);
   } else {
-    for (int64_t n = n0; n < n1; ++n) channel<M, 1>(n, N, K, group, w, s, xq, xs, bias, y);
+    stream_runs<M, 1>(n0, n1, N, K, group, w, s, xq, xs, bias, y);
   }
 }
 
