@@ -1,5 +1,7 @@
 """Batch-1 bfloat16 projections on oneDNN-packed weights: the matrix-vector kernel
-(``cpu_ops.packed_linear``) against oneDNN's own matmul, as read bandwidth.
+(``cpu_ops.packed_linear``) against oneDNN's own matmul, as read bandwidth; and the int8
+weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as ``--quantization
+int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and its scales.
 
 The Qwen2.5-0.5B shapes (fused q/k/v 1152x896, output 896x896, gate/up 9728x896, down
 896x4864, the LM head 151936x896) at 1 row (``--rows``). Each shape gets enough weight copies
@@ -21,6 +23,7 @@ import time
 import torch
 
 from ember_kernels import cpu_ops
+from ember_kernels.int8_linear import quantize_int8, weight_group_size
 from ember_kernels.packed_linear import pack_linear_weight
 
 SHAPES = {
@@ -41,20 +44,35 @@ def best_seconds(fn, repeats: int = 1) -> float:
     return best
 
 
+def weight_bytes(weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes a kernel reads of a weight: a packed bfloat16 one, or an int8 one with its scales."""
+    if isinstance(weight, tuple):
+        return sum(t.numel() * t.element_size() for t in weight)
+    return weight.shape[0] * weight.shape[1] * 2
+
+
 def measure(n: int, k: int, args, gen, stream, triad) -> tuple[dict, float, float]:
-    """Best seconds per call of each kernel on a ``[n, k]`` weight, with the best sum and triad
-    bandwidths of the same rounds."""
+    """Best GB/s of each kernel on a ``[n, k]`` weight, with the best sum and triad bandwidths of
+    the same rounds."""
     copies = max(1, (args.megabytes << 20) // (2 * n * k))
-    weights = [
+    packed = [
         pack_linear_weight(torch.randn(n, k, generator=gen).to(torch.bfloat16))
         for _ in range(copies)
     ]
+    int8 = [  # twice the copies: as many bytes as the bfloat16 ones
+        quantize_int8(torch.randn(n, k, generator=gen), weight_group_size(k))
+        for _ in range(2 * copies)
+    ]
     x = torch.randn(args.rows, k, generator=gen).to(torch.bfloat16)
     kernels = {
-        "oneDNN": lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-        "gemv": lambda w: cpu_ops.packed_linear(x, w, None),
+        "oneDNN": (
+            packed,
+            lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        ),
+        "gemv": (packed, lambda w: cpu_ops.packed_linear(x, w, None)),
+        "int8": (int8, lambda w: cpu_ops.int8_linear(x, w[0], w[1], None)),
     }
-    best = dict.fromkeys(kernels, float("inf"))
+    best = dict.fromkeys(kernels, 0.0)
     read = triad_bw = 0.0
     a, b, c = triad
     for _ in range(args.repeats):
@@ -62,9 +80,9 @@ def measure(n: int, k: int, args, gen, stream, triad) -> tuple[dict, float, floa
         triad_bw = max(
             triad_bw, 3 * a.numel() * 4 / best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a))
         )
-        for kernel, fn in kernels.items():
-            seconds = best_seconds(lambda fn=fn: [fn(w) for w in weights]) / copies
-            best[kernel] = min(best[kernel], seconds)
+        for kernel, (weights, fn) in kernels.items():
+            seconds = best_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights])
+            best[kernel] = max(best[kernel], weight_bytes(weights[0]) * len(weights) / seconds)
     return best, read, triad_bw
 
 
@@ -86,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.repeats}; ratios against the sum and the triad of the same rounds")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         best, read, triad_bw = measure(n, k, args, gen, stream, triad)
-        gbs = {kernel: 2 * n * k / seconds / 1e9 for kernel, seconds in best.items()}
+        gbs = {kernel: v / 1e9 for kernel, v in best.items()}
+        # int8's time over gemv's, from the bytes each read: 0.5 where int8 streams as fast
+        int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
         print(
             f"{name:8} {n:>6}x{k:<5} sum {read / 1e9:5.1f}  triad {triad_bw / 1e9:5.1f}  "
             + "  ".join(
@@ -94,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                 "of triad)"
                 for kernel, v in gbs.items()
             )
-            + f"  gemv / oneDNN {best['oneDNN'] / best['gemv']:4.2f}x",
+            + f"  gemv / oneDNN {best['gemv'] / best['oneDNN']:4.2f}x"
+            + f"  int8 time / gemv time {int8_time / (2 * n * k / best['gemv']):4.2f}",
             flush=True,
         )
 

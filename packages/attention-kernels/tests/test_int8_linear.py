@@ -65,7 +65,7 @@ def test_quantize_refuses_non_float_or_non_matrix():
         quantize_int8(torch.ones(4))
 
 
-WIDENED_MAX_ROWS = 4  # int8_linear.cpp's MAX_WIDENED_ROWS
+WIDENED_MAX_ROWS = 4  # int8_gemv.h INT8_GEMV_MAX_ROWS (int8_linear.cpp follows it)
 
 
 def _reference(x, q, scales, bias):
@@ -163,3 +163,39 @@ def test_batched_int8_linear_runs_its_blocks_in_the_callers_inference_mode():
         torch.set_num_threads(threads)
     expected = _reference(x, dequantize_int8(q, scales, torch.bfloat16), torch.ones(300), None)
     torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+# (out, in, group): groups of 32, 64, 128 and one per channel up to 4,096 inputs (the decode
+# step's integer dot products), a channel of 4,160 (past their largest group: widened to float);
+# a ragged number of output channels split between two threads
+@pytest.mark.parametrize(
+    "shape", [(37, 96, 32), (131, 192, 64), (1, 896, 128), (64, 4096, None), (9, 4160, None)]
+)
+def test_decode_step_is_the_float_kernel_within_its_activation_steps(dtype, rows, shape):
+    """A bfloat16/float16 step of up to 4 rows quantizes its activations to int16 per weight
+    group (int8_gemv.cpp): each activation moves by at most half a step, its group's largest
+    magnitude / 32767, so the result is the float32-activation kernel's within those moves
+    times the weights, and one rounding to ``dtype``; an outlier sets its group's step."""
+    torch.manual_seed(rows)
+    out_features, in_features, group_size = shape
+    q, scales = quantize_int8(torch.randn(out_features, in_features), group_size)
+    x = torch.randn(rows, in_features).to(dtype)
+    x[0, 3] = 60.0
+    bias = torch.randn(out_features).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_ops.int8_linear(x, q, scales, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    exact = cpu_ops.int8_linear(x.float(), q, scales, bias.float()).double()  # floats, summed
+    group = group_size or in_features
+    amax = x.double().abs().view(rows, -1, group).amax(2, keepdim=True)
+    half_steps = (amax / 32767 / 2).expand(rows, in_features // group, group).reshape(rows, -1)
+    moved = half_steps @ dequantize_int8(q, scales, torch.float64).abs().T
+    bound = moved * 1.001 + exact.abs() * torch.finfo(dtype).eps + 1e-5
+    assert ((out.double() - exact).abs() <= bound).all()

@@ -13,7 +13,9 @@ group's partial sum times its scale, and activations kept in their own dtype.
 Decoding a few tokens reads every weight once per step, so its speed is the weight bytes over
 memory bandwidth: int8 halves a bfloat16 weight's bytes (a float32 scale per 128 weights adds
 3%). The compiled kernel (``cpu_ops.int8_linear``, which the compiled decoder stack calls too)
-widens each weight row in registers for a step of a few rows; larger steps are bound by
+reads each weight row once for a step of a few rows: for bfloat16/float16 activations in int16 x
+int8 dot products (the activations quantized to int16 per weight group, 15 bits of the group's
+largest magnitude, finer than their own rounding), for float32 widened to float in registers; larger steps are bound by
 arithmetic, not bytes, and it runs them as the matmul of the activation dtype on the weight
 dequantized a block of output channels at a time. Without the compiled kernels (or off the CPU)
 the latter runs in torch here, in float32.

@@ -41,6 +41,7 @@ SOURCES = [
         "paged_attention.cpp",
         "fused_ops.cpp",
         "int8_linear.cpp",
+        "int8_gemv.cpp",
         "lora.cpp",
         "moe.cpp",
         "w8a8_linear.cpp",
@@ -57,6 +58,7 @@ HEADERS = [
         "bf16_dot.h",
         "paged_attention_common.h",
         "attend_columns.h",
+        "int8_gemv.h",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

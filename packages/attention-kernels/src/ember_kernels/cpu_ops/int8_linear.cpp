@@ -2,10 +2,12 @@
 // scales [N, G], one per K / G consecutive inputs of an output channel (G = 1, scales [N]: one per
 // channel), activations float32/bfloat16/float16, summed in float32 (each group's partial sum
 // times its scale) and rounded once to the activation dtype. Steps of up to MAX_WIDENED_ROWS rows
-// (decoding) read each weight row once, widen it to float in registers and multiply it into up to
-// ROWS activation rows at a time: half the bytes of a bfloat16 weight. Larger steps are bound by arithmetic, not bytes: they run the
-// matmul of the activation dtype (oneDNN's bfloat16 dot products for bfloat16, rather than a
-// float32 matmul on converted operands) over blocks of the weight dequantized into a scratch
+// (decoding) read each weight row once: bfloat16/float16 ones in integer dot products
+// (int8_gemv.cpp, where it applies), the rest here, widening the weight to float in registers and
+// multiplying it into up to ROWS activation rows at a time: half the bytes of a bfloat16 weight.
+// Larger steps are bound by arithmetic, not bytes: they run the matmul of the activation dtype
+// (oneDNN's bfloat16 dot products for bfloat16, rather than a float32 matmul on converted
+// operands) over blocks of the weight dequantized into a scratch
 // buffer small enough to stay in cache between the two (writing the whole weight out and reading
 // it back would cost more memory traffic than the matmul itself). No dequantized copy is kept:
 // the int8 weight's point is its memory.
@@ -20,6 +22,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include "int8_gemv.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -40,7 +43,7 @@ using namespace ember_vec;
 typedef int8_t vi8 __attribute__((vector_size(VW)));
 
 constexpr int ROWS = 4;                    // activation rows sharing one pass over a weight row
-constexpr int64_t MAX_WIDENED_ROWS = 4;    // above: the matmul on dequantized blocks is faster
+constexpr int64_t MAX_WIDENED_ROWS = INT8_GEMV_MAX_ROWS;  // above: the matmul on blocks
 constexpr int64_t BLOCK_BYTES = 1 << 20;   // dequantized weight bytes per block (cache-sized)
 constexpr int64_t BLOCK_ALIGN = 64;        // output channels per block: a multiple of this
 constexpr int64_t GRAIN_BYTES = 1 << 16;   // weight bytes per thread below which one thread runs
@@ -238,6 +241,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (int8_gemv_applies(x, weight, scales)) {
+    int8_gemv(x, weight, scales, b, out);
+    return out;
+  }
   const bool widen = x.size(0) <= MAX_WIDENED_ROWS;
   switch (x.scalar_type()) {
     case at::kFloat:
