@@ -97,5 +97,7 @@ def test_the_serving_benchmark_times_the_first_token_even_without_text(client, s
     prompt = _silent_prompt(client, 4)
     level = asyncio.run(run_level(server.base_url, MODEL_NAME, [prompt] * 2, 4, 2))
     assert level["completed"] == 2 and level["output_tokens"] == 8
+    # Timed at the first token, though no chunk has text (the old client never saw a first
+    # token here). Inter-token gaps are not asserted: a stream may merge a request's outputs
+    # into one chunk when the engine runs ahead of the client.
     assert 0 < level["ttft"]["p50_ms"] <= level["e2e"]["p50_ms"]
-    assert level["itl"]["p50_ms"] > 0  # gaps between the silent tokens' chunks
