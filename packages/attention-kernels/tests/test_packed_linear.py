@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ek_inputs import fresh_generator
 
 from ember_kernels import cpu_ops
-from ember_kernels.cpu_features import cpu_flags, has_bf16_arithmetic
+from ember_kernels.cpu_features import cpu_flags, has_amx_bf16, has_bf16_arithmetic
 from ember_kernels.packed_linear import (
     MIN_PACKED_ELEMENTS,
     can_pack_linear_weight,
@@ -107,10 +107,10 @@ def test_one_row_equals_the_same_row_in_a_pair(out_features):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features, bias):
     """Up to a decode batch of bfloat16 rows on a packed weight: float32 sums rounded once,
-    whichever path runs; Ember's kernel runs for up to 32 rows (above 4 in tiles of 6 rows, a
-    ragged last tile included) where the CPU has AVX512-BF16 and the output channels fill
-    oneDNN's blocks of 64, and the per-operation path and the compiled stack call the same
-    function."""
+    whichever path runs; Ember's kernel runs for up to this CPU's cap of rows (32, or 4 with
+    AMX; above 4 in tiles of 6 rows, a ragged last tile included) where the CPU has AVX512-BF16
+    and the output channels fill oneDNN's blocks (64 wide, 32 with AMX), and the per-operation
+    path and the compiled stack call the same function."""
     gen, seed = fresh_generator()
     weight = torch.randn(in_features, out_features, generator=gen).bfloat16().t()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
@@ -121,7 +121,12 @@ def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
     torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
     assert torch.equal(got, cpu_ops.packed_linear(x, packed, b))
-    runs_kernel = tokens <= 32 and out_features % 64 == 0 and "avx512_bf16" in cpu_flags()
+    width = 32 if has_amx_bf16() else 64  # oneDNN's block width with AMX tiles, and without
+    runs_kernel = (
+        tokens <= cpu_ops.packed_gemv_max_rows()
+        and out_features % width == 0
+        and "avx512_bf16" in cpu_flags()
+    )
     assert cpu_ops.packed_gemv_applies(x, packed, b) == runs_kernel
     view = torch.randn(tokens, 2 * in_features, generator=gen).bfloat16()[:, :in_features]
     assert torch.equal(linear(view, packed, b), linear(view.contiguous(), packed, b))

@@ -53,6 +53,24 @@ def has_fp16_arithmetic() -> bool:
     return "avx512_fp16" in flags or "amx_fp16" in flags or _torch_says("_is_amx_fp16_supported")
 
 
+# The most rows of a bfloat16 step that Ember's streaming kernel (``cpu_ops.packed_linear``) takes
+# from oneDNN's matmul. A step of a few rows is bound by reading the weight, where streaming it
+# in stored order beat oneDNN; at 32 rows AVX512-BF16 dot products are bound by arithmetic, which
+# AMX tiles do several times faster, so with AMX oneDNN's matmul should win from a few rows up.
+# The AMX cap is reasoned, not yet measured: ``benchmarks/bench_packed_gemv.py`` prints both
+# kernels per row count on the same packed weight, which settles it on such a CPU.
+PACKED_GEMV_MAX_ROWS = 32
+PACKED_GEMV_MAX_ROWS_WITH_AMX = 4
+
+
+@functools.cache
+def packed_gemv_max_rows() -> int:
+    """The most rows of a bfloat16 step on a packed weight that Ember's streaming kernel runs
+    here (above it oneDNN's matmul): ``PACKED_GEMV_MAX_ROWS``, or
+    ``PACKED_GEMV_MAX_ROWS_WITH_AMX`` on a CPU with AMX-BF16."""
+    return PACKED_GEMV_MAX_ROWS_WITH_AMX if has_amx_bf16() else PACKED_GEMV_MAX_ROWS
+
+
 def describe() -> str:
     """One line for logs: which reduced-precision arithmetic this CPU has."""
     parts = [

@@ -64,6 +64,32 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
+BLOCK_WIDTHS = (64, 32)  # the blocked layouts Ember's kernel reads (cpu_ops/packed_gemv.cpp)
+
+
+def block_linear_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """A bfloat16 ``weight [out, in]`` as a plain tensor in the blocked layout Ember's streaming
+    kernel reads, ``[out / block, in / 2, block, 2]``: blocks of ``block`` (64 or 32) output
+    channels, each holding its channels' pairs of inputs one pair after another (the layouts
+    oneDNN packs bfloat16 weights in for AVX512-BF16 and AMX), for ``cpu_ops.blocked_linear``.
+    ValueError naming the argument where ``block`` is not one of ``BLOCK_WIDTHS`` or ``weight``
+    is not such a matrix (``out`` a multiple of ``block``, ``in`` even)."""
+    if block not in BLOCK_WIDTHS:
+        raise ValueError(f"block: one of {BLOCK_WIDTHS}, got {block}")
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.is_mkldnn:
+        raise ValueError(
+            f"weight: a plain bfloat16 [out, in] tensor, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    out_features, in_features = weight.shape
+    if out_features % block or in_features % 2:
+        raise ValueError(
+            f"weight: [out, in] with out a multiple of {block} and in even, got "
+            f"{tuple(weight.shape)}"
+        )
+    pairs = weight.reshape(out_features // block, block, in_features // 2, 2)
+    return pairs.transpose(1, 2).contiguous()
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from ember_kernels import cpu_features
 from ember_kernels.cpu_ops.build import (
     building_in_background,
     building_now,
@@ -25,6 +26,7 @@ from ember_kernels.cpu_ops.build import (
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_told: list = [None]  # the library told this CPU's choices (packed_gemv_max_rows)
 _step = threading.local()  # .depth: one_step blocks open; .available: their answer once asked
 
 
@@ -78,6 +80,9 @@ def _library(*tensors: torch.Tensor):
     library = load_library()
     if library is None:
         raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
+    if library is not _told[0]:  # first use: the kernels learn the row cap chosen for this CPU
+        library.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows())
+        _told[0] = library
     return library
 
 
@@ -153,9 +158,67 @@ def packed_gemv_applies(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
     """Whether ``packed_linear`` runs Ember's decode-step kernel for these operands (a bfloat16
-    ``x`` of at most ``PACKED_GEMV_MAX_ROWS`` (32) rows, a CPU with AVX512-BF16, a packed layout the
-    kernel reads)."""
+    ``x`` of at most ``packed_gemv_max_rows()`` rows, a CPU with AVX512-BF16, a packed layout the
+    kernel reads: ``packed_block_width``)."""
     return _library().packed_gemv_applies(_rows(x), weight, bias)
+
+
+def packed_gemv_max_rows() -> int:
+    """The most rows of a step ``packed_linear`` runs Ember's kernel for, as the compiled kernels
+    hold it (``cpu_features.packed_gemv_max_rows()`` unless set)."""
+    return _library().packed_gemv_max_rows()
+
+
+def set_packed_gemv_max_rows(rows: int) -> None:
+    """Override the row cap of ``packed_linear``'s kernel in this process (benchmarks and tests;
+    0 runs oneDNN's matmul for every step); ValueError for a negative ``rows``."""
+    if rows < 0:
+        raise ValueError(f"rows: the kernel's largest step must be >= 0, got {rows}")
+    _library().set_packed_gemv_max_rows(rows)
+
+
+def packed_block_width(weight: torch.Tensor) -> int:
+    """The block width (64 or 32) of the layout oneDNN packed a bfloat16 weight in, where Ember's
+    kernel reads it; 0 for any other layout, a plain tensor, or a CPU without AVX512-BF16."""
+    return _library().packed_block_width(weight)
+
+
+def block_width_of(weight: torch.Tensor, stored: torch.Tensor) -> int:
+    """The check behind ``packed_block_width`` on plain tensors: the block width (64 or 32) of the
+    layout ``stored`` holds the values of ``weight [out, in]`` in (bfloat16, as many elements); 0
+    for another layout, or where the values fit several (all equal, say)."""
+    return _library(weight, stored).block_width_of(weight.contiguous(), stored.contiguous())
+
+
+def blocked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + bias`` by Ember's streaming kernel on a plain bfloat16 ``weight [out / W, in / 2,
+    W, 2]`` (W 64 or 32; ``packed_linear.block_linear_weight`` makes one) for bfloat16 ``x [...,
+    in]``, any number of rows: the kernel ``packed_linear`` runs on oneDNN's packed bytes, here on a
+    tensor of any engine's making. ValueError naming the argument for other operands;
+    RuntimeError on a CPU without AVX512-BF16."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 4 or weight.shape[2] not in (32, 64):
+        raise ValueError(
+            f"weight: a bfloat16 [out / W, in / 2, W, 2] tensor with W 64 or 32, got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    if weight.shape[3] != 2:
+        raise ValueError(f"weight: the last dim holds an input pair (2), got {weight.shape[3]}")
+    if x.dtype != torch.bfloat16 or x.dim() < 1 or x.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"x: bfloat16 [..., {2 * weight.shape[1]}] rows, got {x.dtype} {tuple(x.shape)}"
+        )
+    out_features = weight.shape[0] * weight.shape[2]
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+        raise ValueError(f"bias: bfloat16 [{out_features}], got {bias.dtype} {tuple(bias.shape)}")
+    rows = _rows(x)
+    if rows.stride(0) % 2 or rows.data_ptr() % 4:  # rows read as 32-bit input pairs
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    out = _library(x, weight, *([] if bias is None else [bias])).blocked_linear(
+        rows, weight.contiguous(), None if bias is None else bias.contiguous()
+    )
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def lora_shrink(

@@ -14,6 +14,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x W^T + b on a weight packed for oneDNN (CPU)");
   m.def("packed_gemv_applies", &packed_gemv_applies,
         "Whether packed_linear runs its matrix-vector kernel on these operands (CPU)");
+  m.def("set_packed_gemv_max_rows", &set_packed_gemv_max_rows,
+        "Set the most rows packed_linear runs its kernel for (CPU)");
+  m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
+        "The most rows packed_linear runs its kernel for (CPU)");
+  m.def("packed_block_width", &packed_block_width,
+        "Block width (64, 32) of a packed bfloat16 weight's layout, 0 for another (CPU)");
+  m.def("block_width_of", &block_width_of,
+        "Block width (64, 32) of the layout a plain tensor holds a weight in, 0 for another");
+  m.def("blocked_linear", &blocked_linear, "x W^T + b on a weight in Ember's blocked layout (CPU)");
   m.def("lora_shrink", &lora_shrink, "Per-row LoRA shrink h = scale * A[slot] x (CPU, float32)");
   m.def("lora_expand", &lora_expand, "Per-row LoRA expand y += B[slot] h (CPU, float32)");
   m.def("moe_experts", &moe_experts, "Routed MoE experts of a few tokens, stacked weights (CPU)");

@@ -39,16 +39,28 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 
 // y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 steps
-// of up to PACKED_GEMV_MAX_ROWS rows (a decode batch) stream the packed weight through
-// AVX512-BF16 dot products where the CPU has them and the layout is known (packed_gemv.cpp),
-// larger ones (prefill) oneDNN's matmul. Summed in float32 and rounded once to x's dtype either
-// way.
-constexpr int64_t PACKED_GEMV_MAX_ROWS = 32;
+// of up to packed_gemv_max_rows() rows (a decode batch) stream the packed weight through
+// AVX512-BF16 dot products where the CPU has them and oneDNN's layout is one of the two blocked
+// ones the kernel reads (packed_gemv.cpp), larger ones (prefill) oneDNN's matmul. Summed in
+// float32 and rounded once to x's dtype either way.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 // Whether packed_linear runs the matrix-vector kernel for these operands.
 bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
+// The most rows packed_linear runs the kernel for: 0 (none) until told, which the Python side
+// does at load from what the CPU offers (ember_kernels.cpu_features.packed_gemv_max_rows).
+void set_packed_gemv_max_rows(int64_t rows);
+int64_t packed_gemv_max_rows();
+// The block width (64 or 32) of the layout a packed bfloat16 weight's bytes are in, 0 for any
+// other layout, CPU or tensor.
+int64_t packed_block_width(const at::Tensor& weight);
+// The same check on plain tensors: the block width (64 or 32) of the layout `stored` holds
+// `weight` [N, K]'s values in, 0 for another or where several layouts fit the values.
+int64_t block_width_of(const at::Tensor& weight, const at::Tensor& stored);
+// The kernel on a plain bfloat16 weight [N / W, K / 2, W, 2] (W 64 or 32), any number of rows.
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias);
 
 // Per-row LoRA (float32, float16 or bfloat16, summed in float32): out[t] = scale *
 // lora_a[slots[t]] x[t] (zeros for slot -1), and y[t, y_offset:] += lora_b[slots[t]]

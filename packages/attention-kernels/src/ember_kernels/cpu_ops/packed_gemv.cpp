@@ -6,17 +6,24 @@
 // another, straight from the packed bytes (no second copy), with AVX512-BF16 dot products into
 // float32, a block's rows in register tiles while its weights are in cache.
 //
-// The packed layout is oneDNN's choice, opaque to torch. Whether it is the one read here (blocks
-// of BLOCK output channels, each holding pairs of inputs for its BLOCK channels in turn:
-// [N / BLOCK][K / 2][BLOCK][2]) is checked byte for byte against the weight's own values
-// (to_dense) for the first weight of each shape: oneDNN picks a layout from the shape, dtype and
-// CPU, never the values. Any other layout, CPU or dtype runs oneDNN's matmul.
+// The packed layout is oneDNN's choice, opaque to torch: blocks of W output channels, each
+// holding pairs of inputs for its W channels in turn ([N / W][K / 2][W][2]), with W = 64 where
+// oneDNN runs AVX512-BF16 and W = 32 where it runs AMX tiles. The kernels take W as a template
+// parameter. Which width a weight's bytes are in, if either, is checked byte for byte against the
+// weight's own values (to_dense) for the first weight of each shape: oneDNN picks a layout from
+// the shape, dtype and CPU, never the values. Any other layout, CPU or dtype runs oneDNN's matmul.
+//
+// The most rows the kernel takes is told at load by ember_kernels.cpu_features (the choice's one
+// owner): streaming wins while a step is bound by the weight's bytes, but AVX512-BF16 dot
+// products at 32 rows are bound by arithmetic, which AMX tiles do several times faster, so on a
+// CPU with AMX oneDNN's matmul takes every step above a few rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include "bf16_dot.h"
 #include "kernels.h"
@@ -24,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -37,10 +45,13 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribut
 
 namespace {
 
-constexpr int64_t BLOCK = 64;  // output channels per block of the packed layout
-// How far ahead of each block's stream a one-row step asks for the weight in L2: the hardware
-// prefetchers alone keep too few lines in flight for one core to stream at the memory's speed
-// (the A/B is in the package README).
+// The most rows of a step the kernel takes (0 until told: oneDNN runs every step).
+std::atomic<int64_t> max_rows{0};
+
+// How far ahead of each block's stream a one-row step asks for the weight in L2, in bytes of a
+// 64-wide block (the same number of input pairs ahead at either width): the hardware prefetchers
+// alone keep too few lines in flight for one core to stream at the memory's speed (the A/B is in
+// the package README).
 constexpr int64_t PREFETCH_BYTES = 1024;
 constexpr int GEMM_ROW_TILE = 6;  // rows per register tile above 4 rows: 24 accumulators
 
@@ -56,29 +67,22 @@ at::Tensor onednn_matmul(const at::Tensor& x, const at::Tensor& weight,
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-#if defined(__AVX512BF16__)
-
-const uint16_t* packed_bytes(const at::Tensor& weight) {
-  return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(weight));
-}
-
-// Whether the packed bytes of weight [N, K] are its values in the layout read here: compared a
-// pair of inputs (32 bits) at a time in the packed order, blocks split between the threads (the
-// LM head's check is a first decode step's cost).
-bool bytes_are_blocked(const at::Tensor& weight) {
-  const int64_t N = weight.size(0), pairs = weight.size(1) / 2;
-  const at::Tensor dense = weight.to_dense();
-  const auto* plain = reinterpret_cast<const uint32_t*>(dense.data_ptr<c10::BFloat16>());
-  const auto* raw = reinterpret_cast<const uint32_t*>(packed_bytes(weight));
+// Whether `stored` holds the values of `plain` [N][pairs] (pairs of bfloat16 as 32 bits) in the
+// blocked layout of width `width` (0: plain's own layout), compared in the stored order, blocks
+// split between the threads (the LM head's check is a first decode step's cost).
+bool bytes_are_blocked(const uint32_t* plain, const uint32_t* stored, int64_t N, int64_t pairs,
+                       int64_t width) {
+  if (width == 0) return std::memcmp(plain, stored, N * pairs * 4) == 0;
+  if (N % width != 0) return false;
   std::atomic<bool> same{true};
-  at::parallel_for(0, N / BLOCK, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / width, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end && same.load(std::memory_order_relaxed); ++block) {
-      const uint32_t* packed = raw + block * pairs * BLOCK;
-      const uint32_t* rows = plain + block * BLOCK * pairs;
+      const uint32_t* packed = stored + block * pairs * width;
+      const uint32_t* rows = plain + block * width * pairs;
       bool equal = true;
-      for (int64_t kp = 0; kp < pairs; ++kp) {
-        for (int64_t lane = 0; lane < BLOCK; ++lane) {
-          equal &= packed[kp * BLOCK + lane] == rows[lane * pairs + kp];
+      for (int64_t kp = 0; kp < pairs && equal; ++kp) {
+        for (int64_t lane = 0; lane < width; ++lane) {
+          equal &= packed[kp * width + lane] == rows[lane * pairs + kp];
         }
       }
       if (!equal) same.store(false, std::memory_order_relaxed);
@@ -87,25 +91,54 @@ bool bytes_are_blocked(const at::Tensor& weight) {
   return same.load();
 }
 
-// Whether weight [N, K] is packed in the layout read here: settled by the first weight of each
-// shape, as oneDNN lays out every weight of one shape alike.
-bool blocked_layout(const at::Tensor& weight) {
+// The layouts a weight's bytes are compared with: the two the kernels read, and two decoys, so
+// that a weight whose values fit several (all equal, say) settles nothing.
+constexpr int64_t LAYOUT_WIDTHS[] = {64, 32, 16, 0};
+
+// Which of the kernels' widths (64 or 32) `stored` holds `plain`'s values in (0: another layout),
+// and whether that settles the layout of their shape: not where the values fit more than one of
+// LAYOUT_WIDTHS (reading this weight at the width found is right all the same).
+std::pair<int64_t, bool> stored_block_width(const uint32_t* plain, const uint32_t* stored,
+                                            int64_t N, int64_t pairs) {
+  int64_t readable = 0, matches = 0;
+  for (const int64_t width : LAYOUT_WIDTHS) {
+    if (bytes_are_blocked(plain, stored, N, pairs, width)) {
+      ++matches;
+      if (readable == 0 && (width == 64 || width == 32)) readable = width;
+    }
+  }
+  return {readable, matches <= 1};
+}
+
+#if defined(__AVX512BF16__)
+
+const uint16_t* packed_bytes(const at::Tensor& weight) {
+  return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(weight));
+}
+
+// The width of the blocked layout oneDNN packed bfloat16 weight [N, K] in (0: another, or not
+// such a weight), settled by the first weight of each shape whose values fit one layout only, as
+// oneDNN lays out every weight of one shape alike.
+int64_t packed_width(const at::Tensor& weight) {
   if (at::native::data_ptr_from_mkldnn == nullptr || at::native::nbytes_from_mkldnn == nullptr ||
-      weight.dim() != 2 || weight.scalar_type() != at::kBFloat16) {
-    return false;
+      !weight.is_mkldnn() || weight.dim() != 2 || weight.scalar_type() != at::kBFloat16) {
+    return 0;
   }
   const int64_t N = weight.size(0), K = weight.size(1);
-  if (N % BLOCK != 0 || K % 2 != 0 || at::native::nbytes_from_mkldnn(weight) != N * K * 2) {
-    return false;
+  if (N % 32 != 0 || K % 2 != 0 || at::native::nbytes_from_mkldnn(weight) != N * K * 2) {
+    return 0;
   }
   static std::mutex mutex;
-  static std::map<std::pair<int64_t, int64_t>, bool> known;
+  static std::map<std::pair<int64_t, int64_t>, int64_t> known;
   std::lock_guard<std::mutex> lock(mutex);
   const auto found = known.find({N, K});
   if (found != known.end()) return found->second;
-  const bool blocked = bytes_are_blocked(weight);
-  known.emplace(std::make_pair(N, K), blocked);
-  return blocked;
+  const at::Tensor dense = weight.to_dense();
+  const auto [width, settled] =
+      stored_block_width(reinterpret_cast<const uint32_t*>(dense.data_ptr<c10::BFloat16>()),
+                         reinterpret_cast<const uint32_t*>(packed_bytes(weight)), N, K / 2);
+  if (settled) known.emplace(std::make_pair(N, K), width);
+  return width;
 }
 
 inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
@@ -113,37 +146,38 @@ inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Output channels [block * BLOCK, (block + B) * BLOCK) of M rows: for each pair of inputs, the
-// pair of each row broadcast and dotted with the next BLOCK channels' pairs (four vectors per
-// block), so the weight streams through once, in its stored order; one row also prefetches each
-// block's stream PREFETCH_BYTES ahead (past a weight's end a prefetch reads nothing, and never
-// faults).
-template <int M, int B>
+// Output channels [block * W, (block + B) * W) of M rows: for each pair of inputs, the pair of
+// each row broadcast and dotted with the next W channels' pairs (W / 16 vectors per block), so
+// the weight streams through once, in its stored order; one row also prefetches each block's
+// stream PREFETCH_BYTES * W / 64 ahead (past a weight's end a prefetch reads nothing, and never
+// faults). Each channel's sum runs over the pairs in the same order at either width.
+template <int W, int M, int B>
 void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
                  const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride) {
-  __m512 acc[M][B][4];
+  constexpr int V = W / 16;
+  __m512 acc[M][B][V];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < B; ++b)
-      for (int i = 0; i < 4; ++i) acc[m][b][i] = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) acc[m][b][i] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512bh xs[M];
     for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_set1_epi32(x[m * x_stride + kp]);
     for (int b = 0; b < B; ++b) {
-      const uint16_t* line = w + (b * pairs + kp) * BLOCK * 2;
+      const uint16_t* line = w + (b * pairs + kp) * W * 2;
       if constexpr (M == 1) {
-        const char* ahead = reinterpret_cast<const char*>(line) + PREFETCH_BYTES;
-        for (int i = 0; i < 4; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
+        const char* ahead = reinterpret_cast<const char*>(line) + PREFETCH_BYTES * W / 64;
+        for (int i = 0; i < V; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
       }
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < V; ++i) {
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(line + 32 * i);
         for (int m = 0; m < M; ++m) acc[m][b][i] = _mm512_dpbf16_ps(acc[m][b][i], xs[m], wv);
       }
     }
   }
   for (int b = 0; b < B; ++b) {
-    for (int i = 0; i < 4; ++i) {
-      const int64_t col = b * BLOCK + 16 * i;
+    for (int i = 0; i < V; ++i) {
+      const int64_t col = b * W + 16 * i;
       const __m512 add = bias != nullptr ? bf16x16_as_float(bias + col) : _mm512_setzero_ps();
       for (int m = 0; m < M; ++m) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),
@@ -153,85 +187,139 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
   }
 }
 
-// Blocks [begin, end): four at a time for one row, two for two (more streams in flight; the
-// accumulators of more rows fill the registers), one at a time above.
-template <int M>
-void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
-                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
-                int64_t y_stride) {
-  constexpr int B = M == 1 ? 4 : M == 2 ? 2 : 1;
+// Blocks [begin, end) of M rows, G blocks at a time and the rest one at a time.
+template <int W, int M, int G>
+void blocks_by(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
+               const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+               int64_t y_stride) {
   int64_t block = begin;
-  for (; block + B <= end; block += B) {
-    gemv_blocks<M, B>(x, x_stride, w + block * BLOCK * K, K,
-                      bias ? bias + block * BLOCK : nullptr, y + block * BLOCK, y_stride);
+  for (; block + G <= end; block += G) {
+    gemv_blocks<W, M, G>(x, x_stride, w + block * W * K, K, bias ? bias + block * W : nullptr,
+                         y + block * W, y_stride);
   }
   for (; block < end; ++block) {
-    gemv_blocks<M, 1>(x, x_stride, w + block * BLOCK * K, K,
-                      bias ? bias + block * BLOCK : nullptr, y + block * BLOCK, y_stride);
+    gemv_blocks<W, M, 1>(x, x_stride, w + block * W * K, K, bias ? bias + block * W : nullptr,
+                         y + block * W, y_stride);
   }
 }
 
-// Blocks [begin, end) for any number of rows: each block's rows in tiles of at most ROW_TILE
-// (what the registers hold beside a block's four weight vectors), so the first tile streams the
-// block's weights in from memory and the others read them again from cache.
-template <int ROW_TILE>
+// Blocks [begin, end) of up to 4 rows: 256 channels at a time for one row, 128 for two (more
+// streams in flight; the accumulators of more rows fill the registers), 64 above.
+template <int W, int M>
+void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
+                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                int64_t y_stride) {
+  constexpr int G = (M == 1 ? 4 : M == 2 ? 2 : 1) * 64 / W;
+  blocks_by<W, M, G>(begin, end, x, x_stride, w, K, bias, y, y_stride);
+}
+
+// Blocks [begin, end) for any number of rows: each 64 channels' rows in tiles of at most
+// ROW_TILE (what the registers hold beside the four weight vectors), so the first tile streams
+// the weights in from memory and the others read them again from cache.
+template <int W, int ROW_TILE>
 void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int64_t x_stride,
                 const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
                 int64_t y_stride) {
-  for (int64_t block = begin; block < end; ++block) {
-    const uint16_t* wb = w + block * BLOCK * K;
-    const c10::BFloat16* bb = bias ? bias + block * BLOCK : nullptr;
+  constexpr int G = 64 / W;
+  for (int64_t group = begin; group < end; group += G) {
+    const int64_t group_end = std::min<int64_t>(group + G, end);
     for (int64_t row = 0; row < rows; row += ROW_TILE) {
       const uint32_t* xr = x + row * x_stride;
-      c10::BFloat16* yr = y + row * y_stride + block * BLOCK;
+      c10::BFloat16* yr = y + row * y_stride;
       switch (std::min<int64_t>(ROW_TILE, rows - row)) {
-        case 1: gemv_blocks<1, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
-        case 2: gemv_blocks<2, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
-        case 3: gemv_blocks<3, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
-        case 4: gemv_blocks<4, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
-        case 5: gemv_blocks<5, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
-        default: gemv_blocks<ROW_TILE, 1>(xr, x_stride, wb, K, bb, yr, y_stride); break;
+#define EMBER_ROW_TILE(R)                                                               \
+  blocks_by<W, R, G>(group, group_end, xr, x_stride, w, K, bias, yr, y_stride); \
+  break;
+        case 1: EMBER_ROW_TILE(1)
+        case 2: EMBER_ROW_TILE(2)
+        case 3: EMBER_ROW_TILE(3)
+        case 4: EMBER_ROW_TILE(4)
+        case 5: EMBER_ROW_TILE(5)
+        default: EMBER_ROW_TILE(ROW_TILE)
+#undef EMBER_ROW_TILE
       }
     }
   }
 }
 
-at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+// y [M, N] = x [M, K] w^T + bias for w in the blocked layout of width W.
+template <int W>
+at::Tensor blocked_gemv(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K,
+                        const c10::BFloat16* b) {
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t x_stride = x.stride(0) / 2;
-  const uint16_t* w = packed_bytes(weight);
-  const c10::BFloat16* b = bias.defined() ? bias.data_ptr<c10::BFloat16>() : nullptr;
   auto* out = y.data_ptr<c10::BFloat16>();
-  // Equal shares of blocks, so both threads finish together (the head's 2,374 blocks, a down
-  // projection's 14).
-  at::parallel_for(0, N / BLOCK, 1, [&](int64_t begin, int64_t end) {
+  // Equal shares of blocks, so both threads finish together (the head's 2,374 blocks of 64, a
+  // down projection's 14).
+  at::parallel_for(0, N / W, 1, [&](int64_t begin, int64_t end) {
     switch (M) {
-      case 1: gemv_range<1>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 2: gemv_range<2>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 3: gemv_range<3>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 4: gemv_range<4>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      default: gemm_range<GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, K, b, out, N); break;
+      case 1: gemv_range<W, 1>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      case 2: gemv_range<W, 2>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      case 3: gemv_range<W, 3>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      case 4: gemv_range<W, 4>(begin, end, xs, x_stride, w, K, b, out, N); break;
+      default: gemm_range<W, GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, K, b, out, N); break;
     }
   });
   return y;
+}
+
+at::Tensor blocked_gemv(const at::Tensor& x, const uint16_t* w, int64_t width, int64_t N,
+                        int64_t K, const at::Tensor& bias) {
+  const c10::BFloat16* b = bias.defined() ? bias.data_ptr<c10::BFloat16>() : nullptr;
+  return width == 64 ? blocked_gemv<64>(x, w, N, K, b) : blocked_gemv<32>(x, w, N, K, b);
+}
+
+// Whether x [M, K] can be read as rows of 32-bit input pairs, and bias fits N outputs.
+bool rows_fit(const at::Tensor& x, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
+         x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
+         reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
+         (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == N));
 }
 
 #endif  // __AVX512BF16__
 
 }  // namespace
 
+void set_packed_gemv_max_rows(int64_t rows) {
+  TORCH_CHECK_VALUE(rows >= 0, "rows: the kernel's largest step must be >= 0, got ", rows);
+  max_rows.store(rows);
+}
+
+int64_t packed_gemv_max_rows() { return max_rows.load(); }
+
+int64_t packed_block_width(const at::Tensor& weight) {
+#if defined(__AVX512BF16__)
+  return packed_width(weight);
+#else
+  (void)weight;
+  return 0;
+#endif
+}
+
+int64_t block_width_of(const at::Tensor& weight, const at::Tensor& stored) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                        weight.is_contiguous() && weight.size(1) % 2 == 0,
+                    "weight: a contiguous bfloat16 [out, in] tensor with even in");
+  TORCH_CHECK_VALUE(stored.scalar_type() == at::kBFloat16 && stored.is_contiguous() &&
+                        stored.numel() == weight.numel(),
+                    "stored: a contiguous bfloat16 tensor of weight's size");
+  const auto [width, settled] =
+      stored_block_width(reinterpret_cast<const uint32_t*>(weight.data_ptr<c10::BFloat16>()),
+                         reinterpret_cast<const uint32_t*>(stored.data_ptr<c10::BFloat16>()),
+                         weight.size(0), weight.size(1) / 2);
+  return settled ? width : 0;
+}
+
 bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
-  return weight.is_mkldnn() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-         x.size(0) >= 1 && x.size(0) <= PACKED_GEMV_MAX_ROWS && x.stride(1) == 1 &&
-         x.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
-         x.size(1) == weight.size(1) &&
-         (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == weight.size(0))) &&
-         blocked_layout(weight);
+  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) >= 1 &&
+         x.size(0) <= max_rows.load() && weight.dim() == 2 &&
+         rows_fit(x, weight.size(0), weight.size(1), bias) && packed_width(weight) != 0;
 #else
   (void)x, (void)weight, (void)bias;
   return false;
@@ -242,8 +330,28 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
   if (packed_gemv_applies(x, weight, bias)) {
-    return packed_gemv(x, weight, bias ? *bias : at::Tensor());
+    return blocked_gemv(x, packed_bytes(weight), packed_width(weight), weight.size(0),
+                        weight.size(1), bias ? *bias : at::Tensor());
   }
 #endif
   return onednn_matmul(x, weight, bias);
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK_VALUE(weight.dim() == 4 && weight.scalar_type() == at::kBFloat16 &&
+                        weight.is_contiguous() && weight.size(3) == 2 &&
+                        (weight.size(2) == 64 || weight.size(2) == 32),
+                    "weight: a contiguous bfloat16 [out / W, in / 2, W, 2] tensor, W 64 or 32");
+  const int64_t width = weight.size(2), N = weight.size(0) * width, K = weight.size(1) * 2;
+  TORCH_CHECK_VALUE(x.dim() == 2 && rows_fit(x, N, K, std::nullopt),
+                    "x: bfloat16 [rows, ", K, "] rows of whole input pairs");
+  TORCH_CHECK_VALUE(!bias || rows_fit(x, N, K, bias), "bias: a contiguous bfloat16 [", N, "]");
+  return blocked_gemv(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
+                      width, N, K, bias ? *bias : at::Tensor());
+#else
+  (void)x, (void)weight, (void)bias;
+  TORCH_CHECK(false, "blocked_linear needs a CPU with AVX512-BF16");
+#endif
 }
