@@ -1,18 +1,23 @@
-"""Batch-1 bfloat16 projections on oneDNN-packed weights: the matrix-vector kernel
-(``cpu_ops.packed_linear``) against oneDNN's own matmul, as read bandwidth; and the int8
-weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as ``--quantization
-int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and its scales.
+"""bfloat16 steps of 1-32 rows on oneDNN-packed weights: Ember's streaming kernel
+(``cpu_ops.packed_linear``) against oneDNN's own matmul on the same packed weight, per row count,
+with the path the engine takes at each (``cpu_features.packed_gemv_max_rows()``: 32 rows, 4 on a CPU
+with AMX-BF16, where oneDNN's AMX tiles should win from a few rows up) and the row cap the run
+suggests; and the int8 weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as
+``--quantization int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and
+its scales.
 
 The Qwen2.5-0.5B shapes (fused q/k/v 1152x896, output 896x896, gate/up 9728x896, down
-896x4864, the LM head 151936x896) at 1 row (``--rows``). Each shape gets enough weight copies
-(``--megabytes``, default 256) that a pass over them comes from memory, not the caches, as a
-decode step's does. Between timings the benchmark sums a 256 MiB float32 array (a read-only
-stream, as a decode step's weights are) and runs a triad (``ember_testing.roofline``'s, two reads
-and a write), so the kernels are compared with what the memory gave at that moment: best of
-``--repeats`` rounds each, interleaved, on ``--threads`` torch threads (default 1: with two, any
-other process on the machine stalls the threads' barriers and swamps the kernels).
+896x4864, the LM head 151936x896) at each of ``--rows`` (default 1-32). Each shape gets enough
+weight copies (``--megabytes``, default 256) that a pass over them comes from memory, not the
+caches, as a decode step's does. Between timings the benchmark sums a 256 MiB float32 array (a
+read-only stream, as a decode step's weights are) and runs a triad (``ember_testing.roofline``'s,
+two reads and a write), so the kernels are compared with what the memory gave at that moment:
+best of ``--repeats`` rounds each, interleaved, on ``--threads`` torch threads (default 1: with
+two, any other process on the machine stalls the threads' barriers and swamps the kernels).
+Ember's kernel is timed at every row count (its cap raised for the run); the engine column says
+which of the two a step of that many rows runs by default.
 
-    python3 packages/attention-kernels/benchmarks/bench_packed_gemv.py [--threads 1] [--rows 1]
+    python3 packages/attention-kernels/benchmarks/bench_packed_gemv.py [--threads 1] [--rows 1-32]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 
 import torch
 
-from ember_kernels import cpu_ops
+from ember_kernels import cpu_features, cpu_ops
 from ember_kernels.int8_linear import quantize_int8, weight_group_size
 from ember_kernels.packed_linear import pack_linear_weight
 
@@ -51,9 +56,20 @@ def weight_bytes(weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> in
     return weight.shape[0] * weight.shape[1] * 2
 
 
-def measure(n: int, k: int, args, gen, stream, triad) -> tuple[dict, float, float]:
-    """Best GB/s of each kernel on a ``[n, k]`` weight, with the best sum and triad bandwidths of
-    the same rounds."""
+def parse_rows(text: str) -> list[int]:
+    """``1-32`` or ``1,2,4``: row counts of at least 1."""
+    rows: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        rows.extend(range(int(first), int(last or first) + 1))
+    if not rows or min(rows) < 1:
+        raise ValueError(f"--rows: row counts of at least 1, got {text!r}")
+    return rows
+
+
+def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
+    """Per row count, the best GB/s of weight read of each kernel on copies of a ``[n, k]``
+    weight, with the best sum and triad bandwidths of the same rounds."""
     copies = max(1, (args.megabytes << 20) // (2 * n * k))
     packed = [
         pack_linear_weight(torch.randn(n, k, generator=gen).to(torch.bfloat16))
@@ -63,33 +79,38 @@ def measure(n: int, k: int, args, gen, stream, triad) -> tuple[dict, float, floa
         quantize_int8(torch.randn(n, k, generator=gen), weight_group_size(k))
         for _ in range(2 * copies)
     ]
-    x = torch.randn(args.rows, k, generator=gen).to(torch.bfloat16)
-    kernels = {
-        "oneDNN": (
-            packed,
-            lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-        ),
-        "gemv": (packed, lambda w: cpu_ops.packed_linear(x, w, None)),
-        "int8": (int8, lambda w: cpu_ops.int8_linear(x, w[0], w[1], None)),
-    }
-    best = dict.fromkeys(kernels, 0.0)
-    read = triad_bw = 0.0
+    width = cpu_ops.packed_block_width(packed[0])  # the layout check, once, before the timings
     a, b, c = triad
-    for _ in range(args.repeats):
-        read = max(read, stream.numel() * 4 / best_seconds(stream.sum))
-        triad_bw = max(
-            triad_bw, 3 * a.numel() * 4 / best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a))
-        )
-        for kernel, (weights, fn) in kernels.items():
-            seconds = best_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights])
-            best[kernel] = max(best[kernel], weight_bytes(weights[0]) * len(weights) / seconds)
-    return best, read, triad_bw
+    results = {}
+    for m in rows:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        kernels = {
+            "oneDNN": (
+                packed,
+                lambda w, x=x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            ),
+            "Ember": (packed, lambda w, x=x: cpu_ops.packed_linear(x, w, None)),
+            "int8": (int8, lambda w, x=x: cpu_ops.int8_linear(x, w[0], w[1], None)),
+        }
+        best = dict.fromkeys(kernels, 0.0)
+        read = triad_bw = 0.0
+        for _ in range(args.repeats):
+            read = max(read, stream.numel() * 4 / best_seconds(stream.sum))
+            triad_bw = max(
+                triad_bw,
+                3 * a.numel() * 4 / best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a)),
+            )
+            for kernel, (weights, fn) in kernels.items():
+                seconds = best_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights])
+                best[kernel] = max(best[kernel], weight_bytes(weights[0]) * len(weights) / seconds)
+        results[m] = (best, read, triad_bw)
+    return results, width
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rows", type=parse_rows, default=parse_rows("1-32"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--megabytes", type=int, default=256)
     args = parser.parse_args(argv)
@@ -97,27 +118,56 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     stream = torch.rand(1 << 26, generator=gen)
     triad = [torch.empty(1 << 25), torch.rand(1 << 25, generator=gen), torch.rand(1 << 25)]
-    probe = pack_linear_weight(torch.ones(64, 64, dtype=torch.bfloat16))
-    applies = cpu_ops.packed_gemv_applies(torch.ones(args.rows, 64, dtype=torch.bfloat16), probe)
-    print(f"{args.threads} thread(s), {args.rows} row(s), matrix-vector kernel "
-          f"{'runs' if applies else 'does not run (oneDNN twice)'}; GB/s of weight read, best of "
-          f"{args.repeats}; ratios against the sum and the triad of the same rounds")  # fmt: skip
-    for name, (n, k) in SHAPES.items():
-        best, read, triad_bw = measure(n, k, args, gen, stream, triad)
-        gbs = {kernel: v / 1e9 for kernel, v in best.items()}
-        # int8's time over gemv's, from the bytes each read: 0.5 where int8 streams as fast
-        int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
-        print(
-            f"{name:8} {n:>6}x{k:<5} sum {read / 1e9:5.1f}  triad {triad_bw / 1e9:5.1f}  "
-            + "  ".join(
-                f"{kernel} {v:5.1f} ({v * 1e9 / read:4.2f} of sum, {v * 1e9 / triad_bw:4.2f} "
-                "of triad)"
-                for kernel, v in gbs.items()
-            )
-            + f"  gemv / oneDNN {best['gemv'] / best['oneDNN']:4.2f}x"
-            + f"  int8 time / gemv time {int8_time / (2 * n * k / best['gemv']):4.2f}",
-            flush=True,
-        )
+    cap = cpu_features.packed_gemv_max_rows()
+    print(
+        f"{args.threads} thread(s); CPU: {cpu_features.describe()}; the engine runs Ember's kernel "
+        f"for steps of up to {cap} rows where the layout is one it reads; GB/s of weight read, "
+        f"best of {args.repeats}; ratios against the sum and the triad of the same rounds"
+    )
+    wins: dict[int, list[float]] = {m: [] for m in args.rows}
+    cpu_ops.set_packed_gemv_max_rows(max(args.rows))  # Ember's kernel at every row count
+    try:
+        for name, (n, k) in SHAPES.items():
+            results, width = measure(n, k, args.rows, args, gen, stream, triad)
+            layout = f"{width}-wide blocks" if width else "a layout Ember does not read"
+            print(f"{name} {n}x{k}: oneDNN packed it in {layout}", flush=True)
+            for m, (best, read, triad_bw) in results.items():
+                gbs = {kernel: v / 1e9 for kernel, v in best.items()}
+                ratio = best["Ember"] / best["oneDNN"]
+                wins[m].append(ratio if width else 0.0)
+                engine = "Ember" if width and m <= cap else "oneDNN"
+                # int8's time over Ember's, from the bytes each read: 0.5 where int8 streams as fast
+                int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
+                print(
+                    f"  rows {m:2}  sum {read / 1e9:5.1f}  triad {triad_bw / 1e9:5.1f}  "
+                    + "  ".join(
+                        f"{kernel} {v:5.1f} ({v * 1e9 / read:4.2f} of sum, "
+                        f"{v * 1e9 / triad_bw:4.2f} of triad)"
+                        for kernel, v in gbs.items()
+                    )
+                    + f"  GFLOP/s Ember {2 * m * best['Ember'] / 2e9:6.1f} oneDNN "
+                    + f"{2 * m * best['oneDNN'] / 2e9:6.1f}"
+                    + f"  Ember / oneDNN {ratio:4.2f}x  engine runs {engine}"
+                    + f"  int8 time / Ember time {int8_time / (2 * n * k / best['Ember']):4.2f}",
+                    flush=True,
+                )
+    finally:
+        cpu_ops.set_packed_gemv_max_rows(cap)
+    # The cap this run supports: the most rows up to which Ember's kernel was at least as fast as
+    # oneDNN's matmul on every shape at every row count measured.
+    suggested = 0
+    for m in sorted(wins):
+        if min(wins[m]) < 1.0:
+            break
+        suggested = m
+    print(
+        "Ember / oneDNN per row count, slowest shape: "
+        + ", ".join(f"{m}: {min(wins[m]):.2f}x" for m in sorted(wins))
+    )
+    print(
+        f"suggested cap (Ember at least as fast on every shape up to it): {suggested} rows; "
+        f"this CPU's cap (cpu_features.packed_gemv_max_rows): {cap}"
+    )
 
 
 if __name__ == "__main__":
