@@ -171,9 +171,8 @@ def packed_gemv_max_rows() -> int:
 
 def set_packed_gemv_max_rows(rows: int) -> None:
     """Override the row cap of ``packed_linear``'s kernel in this process (benchmarks and tests;
-    0 runs oneDNN's matmul for every step); ValueError for a negative ``rows``."""
-    if rows < 0:
-        raise ValueError(f"rows: the kernel's largest step must be >= 0, got {rows}")
+    0 runs oneDNN's matmul for every step); ValueError (from the kernels) for a negative
+    ``rows``."""
     _library().set_packed_gemv_max_rows(rows)
 
 
