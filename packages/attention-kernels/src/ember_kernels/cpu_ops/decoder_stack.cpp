@@ -55,7 +55,7 @@ class PhaseClock {
   explicit PhaseClock(double* sums) : sums_(sums) {
     if (sums_ != nullptr) last_ = std::chrono::steady_clock::now();
   }
-  void mark(int phase) {
+  void mark(DecoderStack::Phase phase) {
     if (sums_ == nullptr) return;
     const auto now = std::chrono::steady_clock::now();
     sums_[phase] += std::chrono::duration<double>(now - last_).count();
@@ -66,8 +66,6 @@ class PhaseClock {
   double* sums_;
   std::chrono::steady_clock::time_point last_;
 };
-
-enum Phase { NORMS, QKV, QK_NORM_ROPE_CACHE, ATTENTION, O_PROJ, GATE_UP, SILU_AND_MUL, DOWN };
 
 // Per-head RMSNorm of [tokens, heads, head_size] (a strided view of the q/k/v projection).
 at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

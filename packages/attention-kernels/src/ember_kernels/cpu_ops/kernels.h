@@ -144,11 +144,14 @@ class DecoderStack {
       std::optional<at::Tensor> lora_slots, bool lora_grouped) const;
 
   // The phases of a layer, in order, that ``phase_seconds`` reports (each matmul's phase holds
-  // its parallel region's start and end, a step's time outside the weight streaming is the rest).
+  // its parallel region's start and end, a step's time outside the weight streaming is the rest):
+  // the enum indexes the names, so the two are declared here side by side.
+  enum Phase { NORMS, QKV, QK_NORM_ROPE_CACHE, ATTENTION, O_PROJ, GATE_UP, SILU_AND_MUL, DOWN,
+               NUM_PHASES };
   static constexpr const char* PHASES[] = {"norms",  "qkv",     "qk_norm_rope_cache",
                                            "attention", "o_proj", "gate_up",
                                            "silu_and_mul", "down"};
-  static constexpr int NUM_PHASES = sizeof(PHASES) / sizeof(PHASES[0]);
+  static_assert(sizeof(PHASES) / sizeof(PHASES[0]) == NUM_PHASES, "one name per phase");
   // Whether forward adds each phase's wall-clock seconds, summed over layers and steps, to
   // ``phase_seconds`` (off: no clock is read). Turning it on zeroes the sums.
   void set_timed(bool timed);
