@@ -116,6 +116,9 @@ class InputBatch:
         self.req_id_to_index: dict[str, int] = {}
         self._num_rows = 0  # rows in use, holes included
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
+        # Bumped whenever a row is added, removed or moved: what is gathered from the rows'
+        # parameters (sampling_metadata.SamplingMetadataBuilder) holds while it is unchanged.
+        self.rows_version = 0
         self.drafts = DraftSlots(self)
         self.min_tokens_stops = MinTokensStops(vocab_size)
 
@@ -167,6 +170,7 @@ class InputBatch:
         self._num_rows = max(self._num_rows, row + 1)
         self._req_ids[row] = req_id
         self.req_id_to_index[req_id] = row
+        self.rows_version += 1
 
         self.token_ids_cpu[row, :num_prompt] = prompt
         self.token_ids_cpu[row, num_prompt:num_tokens] = output
@@ -203,6 +207,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self.rows_version += 1
         self._req_ids[row] = None
         self.min_tokens_stops.remove_request(req_id)
         self.num_tokens[row] = 0
@@ -234,6 +239,7 @@ class InputBatch:
             self._trim_trailing_holes()
 
     def _move_row(self, src: int, dst: int) -> None:
+        self.rows_version += 1
         n = self.num_tokens[src]
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         b = self.num_blocks[src]
