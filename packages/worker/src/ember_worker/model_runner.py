@@ -356,13 +356,13 @@ class ModelRunner:
             if new_req.sampling_params.structured_outputs is not None:
                 self._add_grammar_matcher(new_req)
         cached = scheduler_output.scheduled_cached_reqs
-        in_flight = cached.num_drafts_in_flight or [0] * len(cached.req_ids)
-        for req_id, new_block_ids, num_computed, num_drafts in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, in_flight
-        ):
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_block_ids:
                 batch.append_block_ids(req_id, new_block_ids)
-            batch.set_num_computed_tokens(req_id, num_computed, num_drafts)
+        if cached.req_ids:
+            batch.set_num_computed_tokens_of(
+                cached.req_ids, cached.num_computed_tokens, cached.num_drafts_in_flight
+            )
         batch.condense()
 
     def _lora_manager_for(self, req_id: str) -> LoRAManager:
