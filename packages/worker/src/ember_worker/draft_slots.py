@@ -67,6 +67,8 @@ class DraftSlots:
         """Hold this step's drafts: the scheduler's, or the held ones where it sent
         placeholders. A row given fewer held drafts than placeholders runs fewer tokens
         (``num_sched`` shrinks in place); rows without drafts this step drop theirs."""
+        if not spec_decode_tokens and not self.any:
+            return  # no row holds drafts and none come: nothing to hold or drop
         batch = self.batch
         n = batch.num_reqs
         start = batch.num_tokens_no_spec[:n]
