@@ -182,3 +182,20 @@ def test_the_compiled_cpu_stack_equals_the_per_operation_path(
     assert model.model._cpu_stack_caches is caches
     for per_op, stacked in zip(outputs[False], outputs[True]):
         assert torch.equal(per_op, stacked)
+
+
+def test_inference_enters_inference_mode_only_where_the_caller_has_not():
+    from ember_worker.models.inference import inference
+
+    seen = []
+
+    @inference
+    def probe(x):
+        seen.append(torch.is_inference_mode_enabled())
+        return x * 2
+
+    out = probe(torch.ones(2))
+    assert out.is_inference() and seen == [True]
+    with torch.inference_mode():
+        assert probe(torch.ones(2)).is_inference()
+    assert seen == [True, True] and probe.__name__ == "probe"

@@ -10,7 +10,7 @@ from ember_scheduler.outputs import NewRequestData
 from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
-from ember_worker.sampling_metadata import build_sampling_metadata
+from ember_worker.sampling_metadata import SamplingMetadataBuilder, build_sampling_metadata
 
 VOCAB = 50
 
@@ -156,3 +156,39 @@ def test_no_min_tokens_mask_without_a_row_that_needs_it():
     assert build_sampling_metadata(reached).min_tokens_mask is None
     past_vocab = batch_of(SamplingParams(min_tokens=2, stop_token_ids=[VOCAB + 5]))
     assert build_sampling_metadata(past_vocab).min_tokens_mask is None
+
+
+def test_metadata_builder_keeps_steady_metadata_until_the_rows_change():
+    batch = batch_of(SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5))
+    builder = SamplingMetadataBuilder(batch)
+    first = builder.build()
+    assert builder.build() is first  # nothing changed: the same metadata
+    batch.remove_request("r0")
+    batch.condense()  # "r1" moves to row 0
+    moved = builder.build()
+    assert moved is not first
+    assert moved.temperature.tolist() == pytest.approx([0.8])
+    assert moved.top_k.tolist() == [5] and not moved.all_greedy
+    batch.add_request(NewRequestData("r2", [1, 2], [], SamplingParams(temperature=0.0), [0], 0))
+    assert builder.build().temperature.shape == (2,)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=0.0, min_tokens=4),
+    ],
+)
+def test_metadata_builder_gathers_step_dependent_metadata_every_step(params):
+    batch = batch_of(params, eos=7)
+    builder = SamplingMetadataBuilder(batch)
+    first = builder.build()
+    batch.append_token_runs(np.array([[9]]), np.array([1]))  # one more output token
+    second = builder.build()
+    assert second is not first
+    if params.presence_penalty:
+        assert second.output_token_counts[0, 9] == 1
+    if params.seed is not None:
+        assert second.num_output_tokens.tolist() == [first.num_output_tokens.item() + 1]

@@ -15,6 +15,7 @@ from ember_worker.sampling_ops import (
     apply_min_p_,
     apply_penalties,
     inverse_cdf_sample,
+    to_float32,
     top_k_top_p_candidates,
 )
 
@@ -318,3 +319,15 @@ def test_a_top_k_row_keeps_its_cut_beside_a_top_p_row_on_the_whole_row_path():
     values, ids = top_k_top_p_candidates(logits, torch.tensor([10, 0]), torch.tensor([1.0, 0.9]))
     assert ids is None  # the whole-row path: 10 > 40 // 8
     assert kept(values[0]) == set(logits[0].topk(10).indices.tolist())
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (3, 1000), (2, 7)])
+def test_bfloat16_logits_widen_bit_for_bit_as_torch_widens_them(shape):
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 50
+    values[0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0])
+    logits = values.to(torch.bfloat16)
+    with torch.inference_mode():  # as the model runner calls it
+        wide = to_float32(logits.clone())
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide.view(torch.int32), logits.to(torch.float32).view(torch.int32))
+    assert to_float32(values) is values

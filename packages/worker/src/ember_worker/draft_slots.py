@@ -67,6 +67,8 @@ class DraftSlots:
         """Hold this step's drafts: the scheduler's, or the held ones where it sent
         placeholders. A row given fewer held drafts than placeholders runs fewer tokens
         (``num_sched`` shrinks in place); rows without drafts this step drop theirs."""
+        if not spec_decode_tokens and not self.any:
+            return  # no row holds drafts and none come: nothing to hold or drop
         batch = self.batch
         n = batch.num_reqs
         start = batch.num_tokens_no_spec[:n]
@@ -99,10 +101,12 @@ class DraftSlots:
         verified = (batch.num_tokens[:n] > batch.num_tokens_no_spec[:n]) & (num_new_tokens > 0)
         batch.rows["num_accepted_drafts"][:n] = np.where(verified, num_new_tokens - 1, 0)
 
-    def verified_num_computed(self, row: int, num_computed: int, num_drafts_in_flight: int) -> int:
-        """The scheduler's ``num_computed_tokens`` less the drafts it counted as accepted of
-        the row's last step (``num_drafts_in_flight`` of them) that the step rejected."""
-        if not num_drafts_in_flight:
-            return num_computed
-        accepted = int(self.batch.rows["num_accepted_drafts"][row])
-        return num_computed - (num_drafts_in_flight - accepted)
+    def verified_num_computed(
+        self, rows: np.ndarray, num_computed: np.ndarray, num_drafts_in_flight: list[int]
+    ) -> np.ndarray:
+        """The scheduler's ``num_computed_tokens`` of ``rows`` less the drafts it counted as
+        accepted of each row's last step (``num_drafts_in_flight`` of them) that the step
+        rejected."""
+        in_flight = np.array(num_drafts_in_flight, dtype=np.int64)
+        accepted = self.batch.rows["num_accepted_drafts"][rows]
+        return num_computed - np.where(in_flight > 0, in_flight - accepted, 0)

@@ -116,6 +116,9 @@ class InputBatch:
         self.req_id_to_index: dict[str, int] = {}
         self._num_rows = 0  # rows in use, holes included
         self._holes: list[int] = []  # min-heap of free rows below _num_rows
+        # Bumped whenever a row is added, removed or moved: what is gathered from the rows'
+        # parameters (sampling_metadata.SamplingMetadataBuilder) holds while it is unchanged.
+        self.rows_version = 0
         self.drafts = DraftSlots(self)
         self.min_tokens_stops = MinTokensStops(vocab_size)
 
@@ -167,6 +170,7 @@ class InputBatch:
         self._num_rows = max(self._num_rows, row + 1)
         self._req_ids[row] = req_id
         self.req_id_to_index[req_id] = row
+        self.rows_version += 1
 
         self.token_ids_cpu[row, :num_prompt] = prompt
         self.token_ids_cpu[row, num_prompt:num_tokens] = output
@@ -203,6 +207,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:
             return None
+        self.rows_version += 1
         self._req_ids[row] = None
         self.min_tokens_stops.remove_request(req_id)
         self.num_tokens[row] = 0
@@ -234,6 +239,7 @@ class InputBatch:
             self._trim_trailing_holes()
 
     def _move_row(self, src: int, dst: int) -> None:
+        self.rows_version += 1
         n = self.num_tokens[src]
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         b = self.num_blocks[src]
@@ -273,18 +279,35 @@ class InputBatch:
     def set_num_computed_tokens(
         self, req_id: str, num_computed_tokens: int, num_drafts_in_flight: int = 0
     ) -> None:
-        """Take the scheduler's count; ``num_drafts_in_flight`` of the row's last step's drafts
-        it counted as accepted (async scheduling), of which the rejected ones come off."""
-        row = self.row_of(req_id)
-        num_computed_tokens = self.drafts.verified_num_computed(
-            row, num_computed_tokens, num_drafts_in_flight
-        )
-        if not 0 <= num_computed_tokens <= self.num_tokens_no_spec[row]:
+        """``set_num_computed_tokens_of`` for one request."""
+        self.set_num_computed_tokens_of([req_id], [num_computed_tokens], [num_drafts_in_flight])
+
+    def set_num_computed_tokens_of(
+        self,
+        req_ids: list[str],
+        num_computed_tokens: list[int],
+        num_drafts_in_flight: list[int] | None = None,
+    ) -> None:
+        """Take the scheduler's counts of ``req_ids`` (one numpy pass over them);
+        ``num_drafts_in_flight`` of each row's last step's drafts it counted as accepted (async
+        scheduling), of which the rejected ones come off. A bad count changes no row."""
+        index = self.req_id_to_index
+        try:
+            rows = np.array([index[req_id] for req_id in req_ids], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"req_id {exc.args[0]!r} is not in the batch") from None
+        computed = np.array(num_computed_tokens, dtype=np.int64)
+        if num_drafts_in_flight and any(num_drafts_in_flight):
+            computed = self.drafts.verified_num_computed(rows, computed, num_drafts_in_flight)
+        held = self.num_tokens_no_spec[rows]
+        bad = np.flatnonzero((computed < 0) | (computed > held))
+        if len(bad):
+            i = int(bad[0])
             raise ValueError(
-                f"num_computed_tokens of {req_id!r} must be in "
-                f"[0, {self.num_tokens_no_spec[row]}], got {num_computed_tokens}"
+                f"num_computed_tokens of {req_ids[i]!r} must be in [0, {held[i]}], "
+                f"got {computed[i]}"
             )
-        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_computed_tokens[rows] = computed
 
     def set_num_scheduled_tokens(
         self,
@@ -373,8 +396,12 @@ class InputBatch:
         ends = start + counts
         if n and ends.max() > self.max_model_len:
             raise ValueError(f"sampled tokens would exceed max_model_len {self.max_model_len}")
-        total = int(counts.sum())
-        if total:
+        if n and not 0 <= counts.min() <= counts.max() <= token_ids.shape[1]:
+            raise ValueError(f"num_tokens must lie in [0, {token_ids.shape[1]}] (the run width)")
+        if token_ids.shape[1] == 1:  # one token per row at most: no runs to lay out
+            rows = np.flatnonzero(counts)
+            self.token_ids_cpu[rows, start[rows]] = token_ids[rows, 0]
+        elif total := int(counts.sum()):
             rows = np.repeat(np.arange(n), counts)
             offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
             self.token_ids_cpu[rows, start[rows] + offsets] = token_ids[rows, offsets]

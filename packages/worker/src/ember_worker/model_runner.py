@@ -37,7 +37,7 @@ from ember_worker.model_inputs import ModelInputBuffers, ModelInputs
 from ember_worker.model_loader import LoadedModel
 from ember_worker.pooler import Pooler
 from ember_worker.sampler import Sampler
-from ember_worker.sampling_metadata import build_sampling_metadata
+from ember_worker.sampling_metadata import SamplingMetadataBuilder
 from ember_worker.spec_decode import SpeculativeDecoder
 from ember_worker.step_threads import StepThreads
 from ember_worker.step_tokens import StepTokens, logprobs_per_token, pack, unpack
@@ -94,6 +94,7 @@ class ModelRunner:
         )
         self.input_buffers = ModelInputBuffers(self.input_batch)
         self.sampler = Sampler()
+        self.sampling_metadata = SamplingMetadataBuilder(self.input_batch)
         self.pooler = Pooler(loaded.config.hidden_size, getattr(self.model, "score", None))
         k = 0 if speculative_config is None else speculative_config.num_speculative_tokens
         self.num_speculative_tokens = k
@@ -259,8 +260,12 @@ class ModelRunner:
         batch = self.input_batch
         spec = self.spec_decoder
         layout = None if spec is None else spec.layout()
-        indices = inputs.logits_indices if layout is None else layout.logits_indices
-        logits = self.model.compute_logits(hidden_states[indices.to(hidden_states.device)])
+        if layout is None and inputs.num_tokens == batch.num_reqs and inputs.max_query_len == 1:
+            last = hidden_states  # one token per row: every token's logits are sampled
+        else:
+            indices = inputs.logits_indices if layout is None else layout.logits_indices
+            last = hidden_states[indices.to(hidden_states.device)]
+        logits = self.model.compute_logits(last)
         index = batch.req_id_to_index
         if self.grammar_matchers and layout is None:
             self.grammar_matchers.apply_bitmask(logits, index)
@@ -269,7 +274,7 @@ class ModelRunner:
                 logits, index, layout.first_rows, layout.drafts_by_request(batch)
             )
         last_logits = logits if layout is None else logits[layout.last_index]
-        sampler_output = self.sampler(last_logits, build_sampling_metadata(batch))
+        sampler_output = self.sampler(last_logits, self.sampling_metadata.build())
         width = 1 + self.num_speculative_tokens
         tokens = StepTokens.one_per_row(
             sampler_output.sampled_token_ids, batch.reached_end(), width
@@ -351,13 +356,13 @@ class ModelRunner:
             if new_req.sampling_params.structured_outputs is not None:
                 self._add_grammar_matcher(new_req)
         cached = scheduler_output.scheduled_cached_reqs
-        in_flight = cached.num_drafts_in_flight or [0] * len(cached.req_ids)
-        for req_id, new_block_ids, num_computed, num_drafts in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, in_flight
-        ):
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_block_ids:
                 batch.append_block_ids(req_id, new_block_ids)
-            batch.set_num_computed_tokens(req_id, num_computed, num_drafts)
+        if cached.req_ids:
+            batch.set_num_computed_tokens_of(
+                cached.req_ids, cached.num_computed_tokens, cached.num_drafts_in_flight
+            )
         batch.condense()
 
     def _lora_manager_for(self, req_id: str) -> LoRAManager:
@@ -389,8 +394,11 @@ class ModelRunner:
         batch = self.input_batch
         n = batch.num_reqs
         state = batch.rows[:n]
-        rows = np.flatnonzero((state["num_prompt_logprobs"] >= 0) & (num_scheduled > 0))
+        asked = state["num_prompt_logprobs"]
         result: dict[str, Logprobs] = {}
+        if asked.max(initial=-1) < 0:
+            return result
+        rows = np.flatnonzero((asked >= 0) & (num_scheduled > 0))
         if rows.size == 0:
             return result
         # Each row's first token in the flat batch, from the host counts (no device read-back).

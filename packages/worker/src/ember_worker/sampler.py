@@ -24,6 +24,7 @@ from ember_worker.sampling_ops import (
     argmax_rows,
     inverse_cdf_sample,
     softmax_weights,
+    to_float32,
     top_k_top_p_candidates,
 )
 from ember_worker.sampling_random import seeded_uniform
@@ -52,7 +53,7 @@ class Sampler:
                 f"logits must be [num_reqs={metadata.temperature.shape[0]}, vocab], "
                 f"got {tuple(logits.shape)}"
             )
-        logits = logits.to(torch.float32)
+        logits = to_float32(logits)
         raw_logits = logits
         if not metadata.no_penalties:
             logits = apply_penalties(

@@ -48,6 +48,29 @@ class SamplingMetadata:
         return self.output_token_counts is None
 
 
+class SamplingMetadataBuilder:
+    """``build_sampling_metadata`` of one batch for its steps: the metadata of a step is kept
+    for the next while the batch's rows stay as they were (``InputBatch.rows_version``) and it
+    holds nothing that changes from step to step. Penalties (output counts), seeded rows (output
+    lengths) and min_tokens masks change, so a batch with any of them is gathered every step."""
+
+    def __init__(self, batch: InputBatch) -> None:
+        self.batch = batch
+        self._kept: SamplingMetadata | None = None
+        self._version = -1
+
+    def build(self) -> SamplingMetadata:
+        batch = self.batch
+        if self._kept is not None and self._version == batch.rows_version:
+            return self._kept
+        metadata = build_sampling_metadata(batch)
+        steady = (
+            metadata.no_penalties and metadata.has_seed is None and metadata.min_tokens_mask is None
+        )
+        self._kept, self._version = (metadata if steady else None), batch.rows_version
+        return metadata
+
+
 def build_sampling_metadata(batch: InputBatch) -> SamplingMetadata:
     """Sampling parameters and penalty inputs of rows ``0..num_reqs-1``, on the batch's device."""
     batch.check_condensed("build_sampling_metadata")

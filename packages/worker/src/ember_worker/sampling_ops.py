@@ -10,6 +10,10 @@ import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
+# bfloat16 logits up to this many entries (a decode step's few rows of a large vocabulary) widen
+# to float32 in numpy on the calling thread: torch's conversion of them splits across its threads,
+# and waking those costs more than the conversion (many times more when the cores are busy).
+_SERIAL_WIDEN_MAX = 1 << 20
 
 
 def apply_penalties(
@@ -157,6 +161,24 @@ def inverse_cdf_sample(
 def softmax_weights(logits: torch.Tensor) -> torch.Tensor:
     """``exp(logits - row max)``: softmax without the normalization the draw does not need."""
     return (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+
+
+def to_float32(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as float32 (the same tensor if it is float32 already). Contiguous bfloat16 on
+    the CPU up to ``_SERIAL_WIDEN_MAX`` entries widens in numpy: a bfloat16 is the top half of
+    the float32 of the same value, so the widening is exact, as torch's is."""
+    if logits.dtype == torch.float32:
+        return logits
+    if (
+        logits.dtype != torch.bfloat16
+        or logits.device.type != "cpu"
+        or logits.numel() > _SERIAL_WIDEN_MAX
+        or not logits.is_contiguous()
+    ):
+        return logits.to(torch.float32)
+    wide = logits.detach().view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    wide <<= 16
+    return torch.from_numpy(wide.view(np.float32))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from ember_worker.layers.parallel import SINGLE_RANK, TensorParallelGroup
 from ember_worker.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ember_worker.models.config import DecoderConfig
 from ember_worker.models.cpu_stack import build_cpu_stack
+from ember_worker.models.inference import inference
 from ember_worker.models.mla import MlaAttention
 from ember_worker.models.mlp import DecoderMLP
 from ember_worker.models.moe import FusedExperts, SparseMoeBlock, expert_weight_target
@@ -308,7 +309,7 @@ class DecoderForCausalLM(nn.Module):
         """Indices of the decoder layers this pipeline stage holds."""
         return range(self.model.start_layer, self.model.end_layer)
 
-    @torch.inference_mode()
+    @inference
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -319,7 +320,7 @@ class DecoderForCausalLM(nn.Module):
         """The last stage's hidden states, or ``(hidden_states, residual)`` for the next stage."""
         return self.model(input_ids, positions, metadata, intermediate)
 
-    @torch.inference_mode()
+    @inference
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
