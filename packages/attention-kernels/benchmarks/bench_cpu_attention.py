@@ -6,6 +6,9 @@ tokens each, and the prefill of one 1,500-token prompt (causal). Each is timed f
 ``torch_ops.paged_attention`` (gather the pages, then SDPA), the naive per-sequence reference
 (decode only) and ``scaled_dot_product_attention`` on the same KV already contiguous
 (``enable_gqa``, ``is_causal``: no pages to follow, the floor), interleaved in the same run.
+Then ``--bf16-decode``: the compiled kernel alone on a bfloat16 decode step of the
+Qwen2.5-0.5B shape (32 sequences, 14/2 heads of 64) at a few context lengths, the KV of 24
+layers cycled so that each call finds its layer's KV out of the caches, as in a model's step.
 With one thread (the default) the times are the calling thread's CPU time, which other processes
 on a shared machine do not inflate; with more, wall time.
 
@@ -103,14 +106,37 @@ def run(title, lengths, num_q_heads, num_kv_heads, head_size, repeats, naive_too
             print(f"  {labels[name]:32} {t * 1e3:8.2f} ms   {base / t:5.2f}x the torch path")
 
 
+def bf16_decode(contexts, repeats: int, layers: int = 24) -> None:
+    """Per-layer time of the compiled kernel on a bfloat16 decode step of the 0.5B shape."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    gen = torch.Generator().manual_seed(0)
+    print(f"bf16 decode, 32 seqs, heads 14/2 of 64, KV of {layers} layers cycled")
+    for context in contexts:
+        steps = [paged_batch([(1, context)] * 32, 14, 2, 64, 16, gen) for _ in range(layers)]
+        steps = [[t.bfloat16() if t.is_floating_point() else t for t in s] for s in steps]
+        out = torch.empty_like(steps[0][0])
+        best = float("inf")
+        for round_ in range(repeats + 1):  # the first round warms up
+            start = clock()
+            for args in steps:
+                cpu_ops.paged_attention(*args, scale=0.125, out=out)
+            if round_:
+                best = min(best, (clock() - start) / layers)
+        print(f"  context {context:5}: {best * 1e6:8.1f} us per layer")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--bf16-decode", action="store_true", help="only the bf16 decode step")
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     if not cpu_ops.available():
         print("bench_cpu_attention: the compiled CPU kernels are unavailable here (see the log).")
+        return
+    if ns.bf16_decode:
+        bf16_decode((80, 128, 512), 3 * ns.repeats)
         return
     # The issue's tiny Llama (4/2 heads of 64) and a wider GQA shape (8/2).
     for q_heads, kv_heads in ((4, 2), (8, 2)):

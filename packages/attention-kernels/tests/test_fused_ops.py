@@ -63,6 +63,19 @@ def test_fused_add_rms_norm(backend, dtype):
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
+@pytest.mark.parametrize("backend", [COMPILED])
+def test_bf16_silu_and_mul_over_the_whole_range(backend):
+    """Gates from where the exponential underflows to where it is 1, with and without a tail of
+    fewer than 16 columns (bfloat16 rows take their own vectorized path)."""
+    gates = torch.tensor([-200.0, -95.0, -87.5, -30.0, -1.0, -1e-3, 0.0, 1e-30, 0.5, 30.0, 300.0])
+    gate = torch.cat([gates, torch.linspace(-12, 12, 29)])  # 40 columns: two vectors and 8
+    for width in (gate.numel(), 32):
+        g = gate[:width]
+        x = torch.cat([g, torch.linspace(-3, 3, width)]).view(1, -1).to(torch.bfloat16)
+        out = backend.silu_and_mul(x)
+        assert_matches(out, silu_and_mul_reference(x.double()), torch.bfloat16, 0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(backend, dtype):

@@ -192,6 +192,20 @@ def test_cpu_path_decode_only_and_prefill_only(backend, lengths):
     check(backend, lengths, group=4, head_size=64, block_size=16, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("backend", [COMPILED])
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("group", [7, 3, 1])
+def test_compiled_bf16_decode_key_and_row_tails(backend, group, head_size):
+    """bfloat16 decode as a Qwen2.5-0.5B layer runs it (7 query heads per KV head): key counts
+    at and beside the kernels' eight-key groups and 64-key chunks, query rows in pairs and fours
+    with every remainder, head sizes of one, one and a half and two 64-dim blocks; with a window
+    and a soft cap as well."""
+    lengths = [(1, n) for n in (1, 7, 8, 9, 63, 64, 65, 129, 200)] + [(2, 21), (3, 70)]
+    kwargs = dict(group=group, head_size=head_size, block_size=16, dtype=torch.bfloat16)
+    check(backend, lengths, **kwargs)
+    check(backend, lengths, **kwargs, window=50, soft_cap=30.0)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("group,window,soft_cap", [(1, None, None), (4, 70, None), (2, 45, 20.0)])
 def test_cpu_path_long_prefill_spans_tiles_and_chunks(backend, group, window, soft_cap):

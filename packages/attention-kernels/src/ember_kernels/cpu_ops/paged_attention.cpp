@@ -15,8 +15,9 @@
 // the build target has (vec.h; the build is per CPU: see build.py).
 //
 // float16/bfloat16 K/V are converted to float32 a chunk at a time, and softmax and accumulation
-// are float32. Where the build target has AVX512-BF16, decode scores of bfloat16 keys are
-// instead taken in place with its dot products (pairs of bfloat16 products summed in float32).
+// are float32. Where the build target has AVX512-BF16, decode reads bfloat16 keys and values in
+// place instead (bf16_dot.h): scores by its dot products (pairs of bfloat16 products summed in
+// float32), values converted in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +45,28 @@ using namespace ember_paged;
 
 // Decode layout: few rows (one token's heads of the group), vectorized over head_size.
 // q: [M][D], s: [M][CHUNK], o: [M][D].
+#if EMBER_BF16_DOT
+// bfloat16 rows of keys [k0, k0 + n) and of the next chunk's keys, with the rows their scores
+// pass asks for ahead (bf16_dot_scores): in an item's first chunk its own keys past the first
+// eight and its values, always the next chunk's keys and values.
+void bf16_chunk_rows(const Params& p, const int32_t* blocks, int64_t kv_head, int64_t k0,
+                     int64_t n, int64_t end, bool first_chunk, Scratch& w) {
+  using BF = c10::BFloat16;
+  const int64_t span = std::min(2 * CHUNK, end - k0), next = span - n;
+  page_rows(p, static_cast<const BF*>(p.key_cache), blocks, kv_head, k0, span, w.kraw.data());
+  page_rows(p, static_cast<const BF*>(p.value_cache), blocks, kv_head, k0, span, w.vraw.data());
+  w.ahead.clear();
+  if (first_chunk) {
+    w.ahead.insert(w.ahead.end(), w.kraw.begin() + std::min<int64_t>(8, n), w.kraw.begin() + n);
+    w.ahead.insert(w.ahead.end(), w.vraw.begin(), w.vraw.begin() + n);
+  }
+  w.ahead.insert(w.ahead.end(), w.kraw.begin() + n, w.kraw.begin() + n + next);
+  w.ahead.insert(w.ahead.end(), w.vraw.begin() + n, w.vraw.begin() + n + next);
+}
+#endif
+
+// Decode layout: few rows (one token's heads of the group), vectorized over head_size.
+// q: [M][D], s: [M][CHUNK], o: [M][D].
 template <typename T>
 void attend_rows(const Params& p, const Item& it, Scratch& w) {
   const int64_t D = p.head_size, G = p.group, M = it.num_tokens * G;
@@ -55,33 +78,38 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   const int32_t* blocks = p.block_table + it.seq * p.bt_stride;
   const T* query = static_cast<const T*>(p.query);
 
+  // bfloat16 keys and values read in place: scores by AVX512-BF16 dot products (the query kept
+  // in bfloat16, the scale applied to the float32 dot), values converted in registers.
+  constexpr bool native_bf16 = ember_bf16::BF16_DOT && std::is_same_v<T, c10::BFloat16>;
+  const bool in_place = native_bf16 && D % 32 == 0;
   w.q.resize(M * D);
   w.s.resize(M * CHUNK);
   w.o.assign(M * D, 0.f);
   w.m.assign(M, NEG_INF);
   w.l.assign(M, 0.f);
-  w.krows.resize(CHUNK);
-  w.vrows.resize(CHUNK);
-  if constexpr (!std::is_same_v<T, float>) {
-    w.kconv.resize(CHUNK * D);
-    w.vconv.resize(CHUNK * D);
-  }
-  // bfloat16 keys scored in place by AVX512-BF16 dot products (the query kept as it is, in
-  // bfloat16, and the scale applied to the float32 dot).
-  constexpr bool native_dot = ember_bf16::BF16_DOT && std::is_same_v<T, c10::BFloat16>;
-  const bool dot_in_place = native_dot && D % 32 == 0;
-  if (dot_in_place) {
+  if (in_place) {
     w.qb.resize(M * D);
-    w.kraw.resize(CHUNK);
+    w.kraw.resize(2 * CHUNK);
+    w.vraw.resize(2 * CHUNK);
+  } else {
+    w.krows.resize(CHUNK);
+    w.vrows.resize(CHUNK);
+    if constexpr (!std::is_same_v<T, float>) {
+      w.kconv.resize(CHUNK * D);
+      w.vconv.resize(CHUNK * D);
+    }
   }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t t = r / G, h = it.kv_head * G + r % G;
     const T* src = query + (p.query_start_loc[it.seq] + it.first_token + t) * p.q_stride_token +
                    h * p.q_stride_head;
-    for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
-    if constexpr (native_dot) {
-      if (dot_in_place) std::memcpy(w.qb.data() + r * D, src, D * sizeof(T));
+    if (in_place) {
+      std::memcpy(w.qb.data() + r * D, src, D * sizeof(T));
+      continue;
     }
+    int64_t d = 0;
+    for (; d < Dv; d += VW) store(w.q.data() + r * D + d, load_as_float(src + d) * p.scale);
+    for (; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
   }
   const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   float* q = w.q.data();
@@ -89,26 +117,25 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   float* o = w.o.data();
   for (int64_t k0 = k_begin; k0 <= last_pos; k0 += CHUNK) {
     const int64_t n = std::min(CHUNK, last_pos + 1 - k0);
-    chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
-                  w.vrows.data());
+    const float* const* kr = w.krows.data();
     const float* const* vr = w.vrows.data();
-#if defined(__AVX512BF16__)
-    if constexpr (native_dot) {
-      if (dot_in_place) {
-        page_rows(p, static_cast<const c10::BFloat16*>(p.key_cache), blocks, it.kv_head, k0, n,
-                  w.kraw.data());
+#if EMBER_BF16_DOT
+    if constexpr (native_bf16) {
+      if (in_place) {
+        bf16_chunk_rows(p, blocks, it.kv_head, k0, n, last_pos + 1, k0 == k_begin, w);
         ember_bf16::bf16_dot_scores(w.qb.data(), M, D, w.kraw.data(), n, p.scale, s, CHUNK,
-                                    PREFETCH_AHEAD);
+                                    w.ahead.data(), static_cast<int64_t>(w.ahead.size()));
       }
     }
 #endif
-    if (!dot_in_place) {
+    if (!in_place) {
+      chunk_rows<T>(p, static_cast<const T*>(p.value_cache), blocks, it.kv_head, k0, n, w.vconv,
+                    w.vrows.data());
       chunk_rows<T>(p, static_cast<const T*>(p.key_cache), blocks, it.kv_head, k0, n, w.kconv,
                     w.krows.data());
     }
-    const float* const* kr = w.krows.data();
     // Scores, two rows by four keys at a time (a tail repeats its last row or key).
-    for (int64_t r = 0; r < (dot_in_place ? 0 : M); r += 2) {
+    for (int64_t r = 0; r < (in_place ? 0 : M); r += 2) {
       const float* q0 = q + r * D;
       const float* q1 = q + std::min(r + 1, M - 1) * D;
       for (int64_t j = 0; j < n; j += 4) {
@@ -152,35 +179,16 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
           if (key > pos || (p.window && key <= pos - p.window)) sr[j] = NEG_INF;
         }
       }
-      vf vmx = splat(w.m[r]);
-      int64_t jm = 0;
-      for (; jm + VW <= n; jm += VW) vmx = vmax(vmx, load(sr + jm));
-      float mx = hmax(vmx);
-      for (; jm < n; ++jm) mx = std::max(mx, sr[jm]);
-      const float m_use = mx == NEG_INF ? 0.f : mx;
-      const float alpha = exp_nonpositive(w.m[r] - m_use);
-      float sum = 0.f;
-      int64_t j = 0;
-      vf vsum = splat(0.f);
-      for (; j + VW <= n; j += VW) {
-        const vf e = exp_nonpositive(load(s + r * CHUNK + j) - m_use);
-        store(s + r * CHUNK + j, e);
-        vsum += e;
-      }
-      sum = hsum(vsum);
-      for (; j < n; ++j) {
-        s[r * CHUNK + j] = exp_nonpositive(s[r * CHUNK + j] - m_use);
-        sum += s[r * CHUNK + j];
-      }
-      w.l[r] = w.l[r] * alpha + sum;
-      w.m[r] = mx;
-      if (alpha != 1.f) {
-        for (int64_t d = 0; d < D; ++d) o[r * D + d] *= alpha;
-      }
+      softmax_step(sr, n, w.m[r], w.l[r], o + r * D, D);
     }
+#if EMBER_BF16_DOT
+    if constexpr (native_bf16) {
+      if (in_place) ember_bf16::bf16_pv(s, M, CHUNK, w.vraw.data(), n, o, D);
+    }
+#endif
     // o[r] += sum_j s[r][j] * v_j: two rows by four vectors of head dims held in registers over
     // the chunk (a tail repeats its last row or vector and stores it once more, unchanged).
-    for (int64_t r = 0; r < M; r += 2) {
+    for (int64_t r = 0; r < (in_place ? 0 : M); r += 2) {
       const int64_t r1 = std::min(r + 1, M - 1);
       for (int64_t d = 0; d < Dv; d += 4 * VW) {
         int64_t off[4];
@@ -218,7 +226,9 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
     T* dst = out + (p.query_start_loc[it.seq] + it.first_token + t) * p.out_stride_token +
              h * p.out_stride_head;
     const float inv = 1.f / w.l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+    int64_t d = 0;
+    for (; d < Dv; d += VW) store_as(dst + d, load(o + r * D + d) * inv);
+    for (; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -47,7 +48,7 @@ struct Scratch {
   std::vector<float> q, s, o, m, l, pos, kconv, vconv;
   std::vector<const float*> krows, vrows;
   std::vector<c10::BFloat16> qb;
-  std::vector<const c10::BFloat16*> kraw;
+  std::vector<const c10::BFloat16*> kraw, vraw, ahead;
 };
 
 template <typename T>
@@ -92,9 +93,10 @@ void page_rows(const Params& p, const T* cache, const int32_t* blocks, int64_t k
 }
 
 // Decode reads each key and value once, from pages scattered over the cache, which the hardware
-// prefetcher cannot follow: the scores loop asks for the keys PREFETCH_AHEAD ahead and for the
-// values of the keys it is scoring (the output pass reads them next). 1.3x on a decode step
-// whose KV is out of the caches.
+// prefetcher cannot follow: the float scores loop asks for the keys PREFETCH_AHEAD ahead and for
+// the values of the keys it is scoring (the output pass reads them next); the bfloat16 one asks
+// for the next chunk's keys and values (and, in an item's first chunk, its own). 1.3x on a
+// decode step whose KV is out of the caches.
 constexpr int64_t PREFETCH_AHEAD = 8;
 
 inline void prefetch_row(const float* row, int64_t n) {
@@ -104,6 +106,35 @@ inline void prefetch_row(const float* row, int64_t n) {
   }
 }
 
+
+// One online-softmax step of a row: its n scores ``sr`` become exp(score - running max) in place,
+// and the row's running max ``m``, sum ``l`` and output ``o`` [D] are brought to the new max.
+inline void softmax_step(float* sr, int64_t n, float& m, float& l, float* o, int64_t D) {
+  vf vmx = splat(m);
+  int64_t j = 0;
+  for (; j + VW <= n; j += VW) vmx = vmax(vmx, load(sr + j));
+  float mx = hmax(vmx);
+  for (; j < n; ++j) mx = std::max(mx, sr[j]);
+  // A row that has seen only masked keys so far keeps weight 0 (no inf - inf).
+  const float m_use = mx == NEG_INF ? 0.f : mx;
+  const float alpha = exp_nonpositive(m - m_use);
+  vf vsum = splat(0.f);
+  for (j = 0; j + VW <= n; j += VW) {
+    const vf e = exp_nonpositive(load(sr + j) - m_use);
+    store(sr + j, e);
+    vsum += e;
+  }
+  float sum = hsum(vsum);
+  for (; j < n; ++j) {
+    sr[j] = exp_nonpositive(sr[j] - m_use);
+    sum += sr[j];
+  }
+  l = l * alpha + sum;
+  m = mx;
+  if (alpha != 1.f) {
+    for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+  }
+}
 
 inline void soft_cap_scores(float* s, int64_t n, float cap) {
   const float inv = 1.f / cap;
