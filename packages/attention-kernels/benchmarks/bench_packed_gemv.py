@@ -1,8 +1,8 @@
 """bfloat16 steps of 1-32 rows on oneDNN-packed weights: Ember's streaming kernel
-(``cpu_ops.packed_linear``) against oneDNN's own matmul on the same packed weight, per row count,
-with the path the engine takes at each (``cpu_features.packed_gemv_max_rows()``: 32 rows, 4 on a CPU
-with AMX-BF16, where oneDNN's AMX tiles should win from a few rows up) and the row cap the run
-suggests; and the int8 weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as
+(``cpu_ops.packed_linear``) against oneDNN's own matmul on the same packed weight, and on a CPU
+with AMX-BF16 Ember's AMX tiles too, per row count, with the path the engine takes at each
+(``cpu_features.packed_gemv_max_rows()``: 32 rows, 2 on a CPU with AMX-BF16; then
+``amx_gemm_max_rows()``) and the row cap the run suggests; and the int8 weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as
 ``--quantization int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and
 its scales.
 
@@ -14,8 +14,8 @@ read-only stream, as a decode step's weights are) and runs a triad (``ember_test
 two reads and a write), so the kernels are compared with what the memory gave at that moment:
 best of ``--repeats`` rounds each, interleaved, on ``--threads`` torch threads (default 1: with
 two, any other process on the machine stalls the threads' barriers and swamps the kernels).
-Ember's kernel is timed at every row count (its cap raised for the run); the engine column says
-which of the two a step of that many rows runs by default.
+Each of Ember's kernels is timed at every row count (its cap set for the call); the engine column
+says which path a step of that many rows runs by default.
 
     python3 packages/attention-kernels/benchmarks/bench_packed_gemv.py [--threads 1] [--rows 1-32]
 """
@@ -67,6 +67,17 @@ def parse_rows(text: str) -> list[int]:
     return rows
 
 
+def capped(stream_rows: int, amx_rows: int, fn):
+    """``fn`` run with the streaming kernel's and the AMX tiles' row caps set for it."""
+
+    def run(w):
+        cpu_ops.set_packed_gemv_max_rows(stream_rows)
+        cpu_ops.set_amx_gemm_max_rows(amx_rows)
+        return fn(w)
+
+    return run
+
+
 def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
     """Per row count, the best GB/s of weight read of each kernel on copies of a ``[n, k]``
     weight, with the best sum and triad bandwidths of the same rounds."""
@@ -89,9 +100,14 @@ def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
                 packed,
                 lambda w, x=x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
             ),
-            "Ember": (packed, lambda w, x=x: cpu_ops.packed_linear(x, w, None)),
+            "Ember": (packed, capped(m, 0, lambda w, x=x: cpu_ops.packed_linear(x, w, None))),
             "int8": (int8, lambda w, x=x: cpu_ops.int8_linear(x, w[0], w[1], None)),
         }
+        if args.amx:
+            kernels["AMX"] = (
+                packed,
+                capped(0, m, lambda w, x=x: cpu_ops.packed_linear(x, w, None)),
+            )
         best = dict.fromkeys(kernels, 0.0)
         read = triad_bw = 0.0
         for _ in range(args.repeats):
@@ -118,14 +134,21 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     stream = torch.rand(1 << 26, generator=gen)
     triad = [torch.empty(1 << 25), torch.rand(1 << 25, generator=gen), torch.rand(1 << 25)]
-    cap = cpu_features.packed_gemv_max_rows()
+    cap, amx_cap = cpu_features.packed_gemv_max_rows(), cpu_features.amx_gemm_max_rows()
+    args.amx = cpu_ops.amx_gemm_applies(
+        torch.zeros(32, 64, dtype=torch.bfloat16),
+        pack_linear_weight(torch.randn(64, 64, generator=gen).bfloat16()),
+    )
     print(
         f"{args.threads} thread(s); CPU: {cpu_features.describe()}; the engine runs Ember's kernel "
-        f"for steps of up to {cap} rows where the layout is one it reads; GB/s of weight read, "
-        f"best of {args.repeats}; ratios against the sum and the triad of the same rounds"
+        f"for steps of up to {cap} rows where the layout is one it reads"
+        + (f", AMX tiles up to {amx_cap} rows on 32-wide blocks" if args.amx else "")
+        + f"; GB/s of weight read, best of {args.repeats}; ratios against the sum and the triad "
+        "of the same rounds"
     )
-    wins: dict[int, list[float]] = {m: [] for m in args.rows}
-    cpu_ops.set_packed_gemv_max_rows(max(args.rows))  # Ember's kernel at every row count
+    others = ["oneDNN", "AMX"] if args.amx else ["oneDNN"]
+    wins: dict[int, list[float]] = {m: [] for m in args.rows}  # Ember over the best other
+    amx_wins: dict[int, list[float]] = {m: [] for m in args.rows}  # AMX over oneDNN
     try:
         for name, (n, k) in SHAPES.items():
             results, width = measure(n, k, args.rows, args, gen, stream, triad)
@@ -133,9 +156,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name} {n}x{k}: oneDNN packed it in {layout}", flush=True)
             for m, (best, read, triad_bw) in results.items():
                 gbs = {kernel: v / 1e9 for kernel, v in best.items()}
-                ratio = best["Ember"] / best["oneDNN"]
+                ratio = best["Ember"] / max(best[other] for other in others)
                 wins[m].append(ratio if width else 0.0)
-                engine = "Ember" if width and m <= cap else "oneDNN"
+                if args.amx:
+                    amx_wins[m].append(best["AMX"] / best["oneDNN"] if width == 32 else 0.0)
+                engine = (
+                    "Ember" if width and m <= cap
+                    else "AMX" if args.amx and width == 32 and k % 32 == 0 and m <= amx_cap
+                    else "oneDNN"
+                )  # fmt: skip
                 # int8's time over Ember's, from the bytes each read: 0.5 where int8 streams as fast
                 int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
                 print(
@@ -145,25 +174,31 @@ def main(argv: list[str] | None = None) -> None:
                         f"{v * 1e9 / triad_bw:4.2f} of triad)"
                         for kernel, v in gbs.items()
                     )
-                    + f"  GFLOP/s Ember {2 * m * best['Ember'] / 2e9:6.1f} oneDNN "
-                    + f"{2 * m * best['oneDNN'] / 2e9:6.1f}"
-                    + f"  Ember / oneDNN {ratio:4.2f}x  engine runs {engine}"
+                    + "  GFLOP/s "
+                    + " ".join(f"{kernel} {m * v:6.1f}" for kernel, v in gbs.items())
+                    + f"  Ember / {' or '.join(others)} {ratio:4.2f}x  engine runs {engine}"
                     + f"  int8 time / Ember time {int8_time / (2 * n * k / best['Ember']):4.2f}",
                     flush=True,
                 )
     finally:
         cpu_ops.set_packed_gemv_max_rows(cap)
+        cpu_ops.set_amx_gemm_max_rows(amx_cap)
     # The cap this run supports: the most rows up to which Ember's kernel was at least as fast as
-    # oneDNN's matmul on every shape at every row count measured.
+    # the other paths on every shape at every row count measured.
     suggested = 0
     for m in sorted(wins):
         if min(wins[m]) < 1.0:
             break
         suggested = m
     print(
-        "Ember / oneDNN per row count, slowest shape: "
+        f"Ember / {' or '.join(others)} per row count, slowest shape: "
         + ", ".join(f"{m}: {min(wins[m]):.2f}x" for m in sorted(wins))
     )
+    if args.amx:
+        print(
+            "AMX / oneDNN per row count, slowest shape: "
+            + ", ".join(f"{m}: {min(amx_wins[m]):.2f}x" for m in sorted(amx_wins))
+        )
     print(
         f"suggested cap (Ember at least as fast on every shape up to it): {suggested} rows; "
         f"this CPU's cap (cpu_features.packed_gemv_max_rows): {cap}"

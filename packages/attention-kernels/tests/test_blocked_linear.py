@@ -110,7 +110,7 @@ def test_the_layout_check_finds_the_width_of_the_bytes():
 
 @needs_kernel
 def test_the_row_cap_is_this_cpus_choice_and_decides_the_path():
-    """The compiled kernels hold the cap chosen from the CPU's flags (32, or 4 with AMX); a step
+    """The compiled kernels hold the cap chosen from the CPU's flags (32, or 2 with AMX); a step
     above it runs oneDNN's matmul on the same packed weight."""
     assert cpu_ops.packed_gemv_max_rows() == cpu_features.packed_gemv_max_rows()
     gen, seed = fresh_generator()

@@ -55,12 +55,17 @@ def has_fp16_arithmetic() -> bool:
 
 # The most rows of a bfloat16 step that Ember's streaming kernel (``cpu_ops.packed_linear``) takes
 # from oneDNN's matmul. A step of a few rows is bound by reading the weight, where streaming it
-# in stored order beat oneDNN; at 32 rows AVX512-BF16 dot products are bound by arithmetic, which
-# AMX tiles do several times faster, so with AMX oneDNN's matmul should win from a few rows up.
-# The AMX cap is reasoned, not yet measured: ``benchmarks/bench_packed_gemv.py`` prints both
-# kernels per row count on the same packed weight, which settles it on such a CPU.
+# in stored order beats oneDNN; with more rows AVX512-BF16 dot products become bound by
+# arithmetic, which AMX tiles do several times faster: with AMX, oneDNN's matmul wins from 3 rows
+# on every 0.5B shape (``benchmarks/bench_packed_gemv.py`` prints both kernels per row count on
+# the same packed weight and the cap a CPU supports; figures in the package README).
 PACKED_GEMV_MAX_ROWS = 32
-PACKED_GEMV_MAX_ROWS_WITH_AMX = 4
+PACKED_GEMV_MAX_ROWS_WITH_AMX = 2
+# The most rows of a bfloat16 step that AMX tiles take from oneDNN's matmul above the streaming
+# kernel's cap (``cpu_ops/amx_gemm.cpp``: the packed weight streamed once into tiles): a decode
+# batch. Larger steps (prefill) run oneDNN's matmul, whose AMX kernels reuse each weight tile
+# across many rows.
+AMX_GEMM_MAX_ROWS = 32
 
 
 @functools.cache
@@ -69,6 +74,13 @@ def packed_gemv_max_rows() -> int:
     here (above it oneDNN's matmul): ``PACKED_GEMV_MAX_ROWS``, or
     ``PACKED_GEMV_MAX_ROWS_WITH_AMX`` on a CPU with AMX-BF16."""
     return PACKED_GEMV_MAX_ROWS_WITH_AMX if has_amx_bf16() else PACKED_GEMV_MAX_ROWS
+
+
+@functools.cache
+def amx_gemm_max_rows() -> int:
+    """The most rows of a bfloat16 step on a packed weight that Ember's AMX tiles run here:
+    ``AMX_GEMM_MAX_ROWS`` on a CPU with AMX-BF16, else 0 (none)."""
+    return AMX_GEMM_MAX_ROWS if has_amx_bf16() else 0
 
 
 def describe() -> str:

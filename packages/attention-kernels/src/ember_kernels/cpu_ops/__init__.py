@@ -80,8 +80,9 @@ def _library(*tensors: torch.Tensor):
     library = load_library()
     if library is None:
         raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
-    if library is not _told[0]:  # first use: the kernels learn the row cap chosen for this CPU
+    if library is not _told[0]:  # first use: the kernels learn the row caps chosen for this CPU
         library.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows())
+        library.set_amx_gemm_max_rows(cpu_features.amx_gemm_max_rows())
         _told[0] = library
     return library
 
@@ -174,6 +175,27 @@ def set_packed_gemv_max_rows(rows: int) -> None:
     0 runs oneDNN's matmul for every step); ValueError (from the kernels) for a negative
     ``rows``."""
     _library().set_packed_gemv_max_rows(rows)
+
+
+def amx_gemm_applies(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether ``packed_linear`` runs AMX tiles for these operands: a bfloat16 ``x`` of more
+    rows than ``packed_gemv_max_rows()`` and at most ``amx_gemm_max_rows()``, a CPU whose tiles
+    this process may use, a weight oneDNN packed 32 channels a block, ``in`` a multiple of 32."""
+    return _library().amx_gemm_applies(_rows(x), weight, bias)
+
+
+def amx_gemm_max_rows() -> int:
+    """The most rows of a step ``packed_linear`` runs AMX tiles for, as the compiled kernels
+    hold it (``cpu_features.amx_gemm_max_rows()`` unless set)."""
+    return _library().amx_gemm_max_rows()
+
+
+def set_amx_gemm_max_rows(rows: int) -> None:
+    """Override the AMX tiles' row cap in this process (benchmarks and tests; 0 runs oneDNN's
+    matmul above the streaming kernel's cap); ValueError outside [0, 32]."""
+    _library().set_amx_gemm_max_rows(rows)
 
 
 def packed_block_width(weight: torch.Tensor) -> int:

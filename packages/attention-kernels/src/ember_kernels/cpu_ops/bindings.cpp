@@ -18,6 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Set the most rows packed_linear runs its kernel for (CPU)");
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
         "The most rows packed_linear runs its kernel for (CPU)");
+  m.def("amx_gemm_applies", &amx_gemm_applies,
+        "Whether packed_linear runs AMX tiles on these operands (CPU)");
+  m.def("set_amx_gemm_max_rows", &set_amx_gemm_max_rows,
+        "Set the most rows packed_linear runs AMX tiles for (CPU)");
+  m.def("amx_gemm_max_rows", &amx_gemm_max_rows,
+        "The most rows packed_linear runs AMX tiles for (CPU)");
   m.def("packed_block_width", &packed_block_width,
         "Block width (64, 32) of a packed bfloat16 weight's layout, 0 for another (CPU)");
   m.def("block_width_of", &block_width_of,

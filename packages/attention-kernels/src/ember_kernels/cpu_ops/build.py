@@ -47,6 +47,7 @@ SOURCES = [
         "w8a8_linear.cpp",
         "decoder_stack.cpp",
         "packed_gemv.cpp",
+        "amx_gemm.cpp",
         "bindings.cpp",
     )
 ]
@@ -59,6 +60,7 @@ HEADERS = [
         "paged_attention_common.h",
         "attend_columns.h",
         "int8_gemv.h",
+        "amx_gemm.h",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -52,6 +52,13 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 // does at load from what the CPU offers (ember_kernels.cpu_features.packed_gemv_max_rows).
 void set_packed_gemv_max_rows(int64_t rows);
 int64_t packed_gemv_max_rows();
+// Whether packed_linear runs AMX tiles for these operands (amx_gemm.cpp): steps above
+// packed_gemv_max_rows() rows and up to amx_gemm_max_rows() (0 until told, at most 32), on a CPU
+// whose tiles this process may use, a weight oneDNN packed 32 channels a block, whole tile steps.
+bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias);
+void set_amx_gemm_max_rows(int64_t rows);
+int64_t amx_gemm_max_rows();
 // The block width (64 or 32) of the layout a packed bfloat16 weight's bytes are in, 0 for any
 // other layout, CPU or tensor.
 int64_t packed_block_width(const at::Tensor& weight);

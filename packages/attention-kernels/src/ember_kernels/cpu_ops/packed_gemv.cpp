@@ -25,6 +25,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include "amx_gemm.h"
 #include "bf16_dot.h"
 #include "kernels.h"
 
@@ -45,8 +46,10 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribut
 
 namespace {
 
-// The most rows of a step the kernel takes (0 until told: oneDNN runs every step).
+// The most rows of a step the streaming kernel takes, and of one the AMX tiles take above it (0
+// until told: oneDNN runs every step).
 std::atomic<int64_t> max_rows{0};
+std::atomic<int64_t> amx_max_rows{0};
 
 // How far ahead of each block's stream a one-row step asks for the weight in L2, in bytes of a
 // 64-wide block (the same number of input pairs ahead at either width): the hardware prefetchers
@@ -326,12 +329,41 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 #endif
 }
 
+bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) > max_rows.load() &&
+         x.size(0) <= amx_max_rows.load() && weight.dim() == 2 &&
+         weight.size(1) % AMX_GEMM_DEPTH == 0 && rows_fit(x, weight.size(0), weight.size(1), bias) &&
+         amx_tiles_ready() && packed_width(weight) == AMX_GEMM_WIDTH;
+#else
+  (void)x, (void)weight, (void)bias;
+  return false;
+#endif
+}
+
+void set_amx_gemm_max_rows(int64_t rows) {
+  TORCH_CHECK_VALUE(rows >= 0 && rows <= AMX_GEMM_ROWS, "rows: the AMX tiles' largest step must ",
+                    "be in [0, ", AMX_GEMM_ROWS, "], got ", rows);
+  amx_max_rows.store(rows);
+}
+
+int64_t amx_gemm_max_rows() { return amx_max_rows.load(); }
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
   if (packed_gemv_applies(x, weight, bias)) {
     return blocked_gemv(x, packed_bytes(weight), packed_width(weight), weight.size(0),
                         weight.size(1), bias ? *bias : at::Tensor());
+  }
+  if (amx_gemm_applies(x, weight, bias)) {
+    const int64_t N = weight.size(0);
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    amx_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), packed_bytes(weight), N,
+             weight.size(1), bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+             y.data_ptr<c10::BFloat16>(), N);
+    return y;
   }
 #endif
   return onednn_matmul(x, weight, bias);
