@@ -9,7 +9,6 @@
 // 16-31; tiles 4-5 the rows of x, 6-7 the two halves of the block's 16 input pairs.
 
 #include "amx_gemm.h"
-#include "checks.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -137,7 +136,7 @@ bool amx_tiles_ready() { return false; }
 
 void amx_gemm(const c10::BFloat16*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
               const c10::BFloat16*, c10::BFloat16*, int64_t) {
-  EMBER_CHECK(false, "amx_gemm: this build has no AMX-BF16 tiles (see amx_tiles_ready)");
+  TORCH_CHECK(false, "amx_gemm: this build has no AMX-BF16 tiles (see amx_tiles_ready)");
 }
 
 #endif

@@ -61,7 +61,6 @@ HEADERS = [
         "attend_columns.h",
         "int8_gemv.h",
         "amx_gemm.h",
-        "checks.h",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -6,7 +6,6 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 
-#include "checks.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -85,7 +84,7 @@ DecoderStack::DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head
       scale_(scale),
       cos_sin_cache_(cos_sin_cache.contiguous()),
       is_neox_style_(is_neox_style) {
-  EMBER_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                     "num_heads: expected a positive multiple of num_kv_heads, got ", num_heads,
                     " and ", num_kv_heads);
 }
@@ -99,16 +98,16 @@ void DecoderStack::add_layer(at::Tensor input_norm, at::Tensor qkv,
                              at::Tensor key_cache, at::Tensor value_cache,
                              int64_t sliding_window) {
   const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
-  EMBER_CHECK_VALUE(qkv.dim() == 2 && qkv.size(0) == q_size + 2 * kv_size,
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(0) == q_size + 2 * kv_size,
                     "qkv: expected [", q_size + 2 * kv_size, ", hidden], got ", qkv.sizes());
-  EMBER_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
+  TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
                     "q_norm/k_norm: give both or neither");
-  EMBER_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() &&
                         key_cache.dim() == 4 && key_cache.size(2) == num_kv_heads_ &&
                         key_cache.size(3) == head_size_,
                     "key_cache/value_cache: expected contiguous [blocks, block_size, ",
                     num_kv_heads_, ", ", head_size_, "] tensors");
-  EMBER_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0 &&
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(0) % 2 == 0 &&
                         down.size(1) == gate_up.size(0) / 2,
                     "gate_up/down: expected [2 * intermediate, hidden] and [hidden, intermediate]");
   if (layers_.empty()) cos_sin_in_dtype_ = cos_sin_cache_.to(input_norm.scalar_type());
@@ -123,18 +122,18 @@ void DecoderStack::set_weight_scales(std::optional<at::Tensor> qkv,
                                      std::optional<at::Tensor> o_proj,
                                      std::optional<at::Tensor> gate_up,
                                      std::optional<at::Tensor> down, bool quantize_activations) {
-  EMBER_CHECK_VALUE(!layers_.empty(), "set_weight_scales: add a layer first");
+  TORCH_CHECK_VALUE(!layers_.empty(), "set_weight_scales: add a layer first");
   Layer& layer = layers_.back();
   const std::pair<const at::Tensor*, const std::optional<at::Tensor>*> pairs[] = {
       {&layer.qkv, &qkv}, {&layer.o_proj, &o_proj}, {&layer.gate_up, &gate_up}, {&layer.down, &down}};
   for (const auto& [weight, scales] : pairs) {
     if (!scales->has_value()) {  // a projection left in floating point
-      EMBER_CHECK_VALUE(weight->scalar_type() != at::kChar,
+      TORCH_CHECK_VALUE(weight->scalar_type() != at::kChar,
                         "set_weight_scales: an int8 weight needs its scales");
       continue;
     }
     check_int8_scales(*weight, **scales);
-    EMBER_CHECK_VALUE(!quantize_activations || (*scales)->dim() == 1,
+    TORCH_CHECK_VALUE(!quantize_activations || (*scales)->dim() == 1,
                       "set_weight_scales: W8A8 takes one scale per output channel");
   }
   const auto dense = [](const std::optional<at::Tensor>& t) {
@@ -149,20 +148,20 @@ void DecoderStack::set_weight_scales(std::optional<at::Tensor> qkv,
 
 void DecoderStack::set_lora(int64_t projection, at::Tensor lora_a,
                             std::vector<at::Tensor> lora_b) {
-  EMBER_CHECK_VALUE(!layers_.empty(), "set_lora: add a layer first");
-  EMBER_CHECK_VALUE(projection >= 0 && projection < 4,
+  TORCH_CHECK_VALUE(!layers_.empty(), "set_lora: add a layer first");
+  TORCH_CHECK_VALUE(projection >= 0 && projection < 4,
                     "projection: expected 0 (qkv), 1 (o_proj), 2 (gate_up) or 3 (down), got ",
                     projection);
-  EMBER_CHECK_VALUE(!lora_b.empty() && lora_a.dim() == 3 && lora_a.is_contiguous(),
+  TORCH_CHECK_VALUE(!lora_b.empty() && lora_a.dim() == 3 && lora_a.is_contiguous(),
                     "lora_a: expected a contiguous [slots, slices * rank, in] tensor and one "
                     "lora_b per slice");
   const int64_t rank = lora_b.front().dim() == 3 ? lora_b.front().size(2) : 0;
-  EMBER_CHECK_VALUE(lora_a.size(1) == rank * static_cast<int64_t>(lora_b.size()),
+  TORCH_CHECK_VALUE(lora_a.size(1) == rank * static_cast<int64_t>(lora_b.size()),
                     "lora_a: expected ", rank * static_cast<int64_t>(lora_b.size()),
                     " rows per slot (rank ", rank, " for each of ", lora_b.size(), " slices), got ",
                     lora_a.size(1));
   for (const at::Tensor& b : lora_b) {
-    EMBER_CHECK_VALUE(b.dim() == 3 && b.size(0) == lora_a.size(0) && b.size(2) == rank &&
+    TORCH_CHECK_VALUE(b.dim() == 3 && b.size(0) == lora_a.size(0) && b.size(2) == rank &&
                           b.scalar_type() == lora_a.scalar_type(),
                       "lora_b: expected [", lora_a.size(0), ", out, ", rank, "] tensors of ",
                       lora_a.scalar_type());
@@ -175,9 +174,9 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
     std::optional<at::Tensor> lora_slots, bool lora_grouped) const {
-  EMBER_CHECK_VALUE(hidden.dim() == 2, "hidden_states: expected [num_tokens, hidden]");
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden_states: expected [num_tokens, hidden]");
   const int64_t tokens = hidden.size(0);
-  EMBER_CHECK_VALUE(!lora_slots || (lora_slots->dim() == 1 && lora_slots->size(0) == tokens),
+  TORCH_CHECK_VALUE(!lora_slots || (lora_slots->dim() == 1 && lora_slots->size(0) == tokens),
                     "lora_slots: expected one slot index per token");
   const LoRARows lora = lora_rows(lora_slots ? *lora_slots : at::Tensor(), lora_grouped);
   const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;

@@ -11,7 +11,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include "checks.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -233,7 +232,7 @@ void rotary_impl(const at::Tensor& positions, const at::Tensor& query,
   const int64_t rotary_dim = cache.size(1), half = rotary_dim / 2, max_position = cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    EMBER_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions: position ", pos[t],
+    TORCH_CHECK_VALUE(pos[t] >= 0 && pos[t] < max_position, "positions: position ", pos[t],
                       " of token ", t, " is outside the cos/sin cache's ", max_position);
   }
   const T* cs = static_cast<const T*>(cache.data_ptr());
@@ -270,14 +269,14 @@ void dispatch(const at::Tensor& x, const char* name, const F& f) {
       f(c10::BFloat16{});
       break;
     default:
-      EMBER_CHECK_VALUE(false, name, ": unsupported dtype ", x.scalar_type());
+      TORCH_CHECK_VALUE(false, name, ": unsupported dtype ", x.scalar_type());
   }
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  EMBER_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: rows must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: rows must be contiguous");
   at::Tensor out = at::empty(x.sizes(), x.options());
   dispatch(x, "x", [&](auto t) { rms_norm_impl<decltype(t)>(x, weight, eps, out); });
   return out;
@@ -286,7 +285,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
                                                       const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps) {
-  EMBER_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1,
               "fused_add_rms_norm: rows must be contiguous");
   at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor residual_out = at::empty(x.sizes(), x.options());
@@ -297,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  EMBER_CHECK(x.dim() == 2 && x.stride(1) == 1, "silu_and_mul: rows must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "silu_and_mul: rows must be contiguous");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   dispatch(x, "x", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
   return out;
@@ -306,7 +305,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
     const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
     const at::Tensor& cos_sin_cache, bool is_neox_style) {
-  EMBER_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   query.dim() == 3 && query.stride(2) == 1 && cos_sin_cache.is_contiguous() &&
                   cos_sin_cache.scalar_type() == query.scalar_type() &&
                   (!key || (key->dim() == 3 && key->stride(2) == 1)),
@@ -325,7 +324,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
   const int64_t row = key.size(1) * key.size(2);
-  EMBER_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
                   value.stride(1) == value.size(2) && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.is_contiguous(),
@@ -333,7 +332,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
   const int64_t tokens = key.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {  // all checked before any write
-    EMBER_CHECK_VALUE(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " >= ", num_slots,
+    TORCH_CHECK_VALUE(slots[t] < num_slots, "slot_mapping: slot ", slots[t], " >= ", num_slots,
                       " cache slots");
   }
   const int64_t bytes = row * key.element_size();

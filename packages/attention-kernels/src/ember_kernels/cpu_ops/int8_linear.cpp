@@ -22,7 +22,6 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include "checks.h"
 #include "int8_gemv.h"
 #include "kernels.h"
 #include "vec.h"
@@ -222,12 +221,12 @@ void dequantized_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 }  // namespace
 
 void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales) {
-  EMBER_CHECK_VALUE(weight.scalar_type() == at::kChar && weight.dim() == 2,
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kChar && weight.dim() == 2,
                     "int8 weight: expected int8 [N, K], got ", weight.scalar_type(), " ",
                     weight.sizes());
   const bool grouped = scales.dim() == 2 && scales.size(1) > 0 &&
                        weight.size(1) % scales.size(1) == 0;
-  EMBER_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.size(0) == weight.size(0) &&
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.size(0) == weight.size(0) &&
                         (scales.dim() == 1 || grouped),
                     "int8 weight scales: expected float32 [N] or [N, G] with G dividing K for a "
                     "weight ", weight.sizes(), ", got ", scales.scalar_type(), " ", scales.sizes());
@@ -235,11 +234,11 @@ void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales) {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  EMBER_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x must be [rows, K], rows dense");
-  EMBER_CHECK(weight.is_contiguous() && scales.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int8_linear: x must be [rows, K], rows dense");
+  TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(),
               "int8_linear: weight and scales must be contiguous");
   check_int8_scales(weight, scales);
-  EMBER_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
+  TORCH_CHECK(weight.size(1) == x.size(1), "int8_linear: x and weight disagree on K");
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (int8_gemv_applies(x, weight, scales)) {
@@ -260,7 +259,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       widen ? int8_linear_impl<c10::Half>(x, weight, scales, b, out)
             : dequantized_linear<c10::Half>(x, weight, scales, b, out);
       break;
-    default: EMBER_CHECK(false, "int8_linear: activations must be float32, bfloat16 or float16");
+    default: TORCH_CHECK(false, "int8_linear: activations must be float32, bfloat16 or float16");
   }
   return out;
 }

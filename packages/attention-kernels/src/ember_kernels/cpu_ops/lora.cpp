@@ -20,7 +20,6 @@
 #include <c10/util/Half.h>
 
 #include "bf16_dot.h"
-#include "checks.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -161,7 +160,7 @@ void dispatch(const at::Tensor& x, const char* name, const F& f) {
     case at::kFloat: f(float{}); break;
     case at::kHalf: f(c10::Half{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: EMBER_CHECK_VALUE(false, name, ": unsupported dtype ", x.scalar_type());
+    default: TORCH_CHECK_VALUE(false, name, ": unsupported dtype ", x.scalar_type());
   }
 }
 
@@ -169,9 +168,9 @@ void dispatch(const at::Tensor& x, const char* name, const F& f) {
 
 void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& slots,
                  double scale, at::Tensor& out) {
-  EMBER_CHECK(x.scalar_type() == lora_a.scalar_type() && out.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(x.scalar_type() == lora_a.scalar_type() && out.scalar_type() == x.scalar_type(),
               "lora_shrink: x, lora_a and out must share a dtype");
-  EMBER_CHECK(lora_a.is_contiguous() && x.stride(1) == 1 && out.stride(1) == 1 &&
+  TORCH_CHECK(lora_a.is_contiguous() && x.stride(1) == 1 && out.stride(1) == 1 &&
                   slots.scalar_type() == at::kLong,
               "lora_shrink: contiguous lora_a, rows of x and out, int64 slots expected");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -182,12 +181,12 @@ void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
 
 void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& lora_b,
                  const at::Tensor& slots, int64_t y_offset, int64_t h_offset) {
-  EMBER_CHECK(y.scalar_type() == h.scalar_type() && lora_b.scalar_type() == y.scalar_type(),
+  TORCH_CHECK(y.scalar_type() == h.scalar_type() && lora_b.scalar_type() == y.scalar_type(),
               "lora_expand: y, h and lora_b must share a dtype");
   const bool contiguous = lora_b.is_contiguous();
   const bool rank_major = lora_b.stride(1) == 1 && lora_b.stride(2) >= lora_b.size(1) &&
                           lora_b.stride(0) >= lora_b.size(2) * lora_b.stride(2);
-  EMBER_CHECK((contiguous || rank_major) && y.stride(1) == 1 && h.stride(1) == 1 &&
+  TORCH_CHECK((contiguous || rank_major) && y.stride(1) == 1 && h.stride(1) == 1 &&
                   slots.scalar_type() == at::kLong,
               "lora_expand: lora_b contiguous or a transposed contiguous [slots, rank, out], rows "
               "of y and h contiguous, int64 slots expected");

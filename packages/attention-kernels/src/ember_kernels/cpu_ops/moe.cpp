@@ -14,7 +14,6 @@
 #include <c10/util/Exception.h>
 
 #include "bf16_dot.h"
-#include "checks.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -145,16 +144,16 @@ void run_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tens
 
 at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& local_ids) {
-  EMBER_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1, "moe_experts: hidden [tokens, hidden]");
-  EMBER_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.dim() == 3 && w2.dim() == 3,
+  TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1, "moe_experts: hidden [tokens, hidden]");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.dim() == 3 && w2.dim() == 3,
               "moe_experts: contiguous stacked w13 [E, 2I, H] and w2 [E, H, I] expected");
-  EMBER_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
+  TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() && w2.scalar_type() == hidden.scalar_type(),
               "moe_experts: weights and hidden must share a dtype");
-  EMBER_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
                   local_ids.scalar_type() == at::kLong && local_ids.is_contiguous() &&
                   topk_weights.sizes() == local_ids.sizes() && local_ids.size(0) == hidden.size(0),
               "moe_experts: float32 topk_weights and int64 local_ids [tokens, top_k] expected");
-  EMBER_CHECK(w13.size(2) == hidden.size(1) && w2.size(1) == hidden.size(1) &&
+  TORCH_CHECK(w13.size(2) == hidden.size(1) && w2.size(1) == hidden.size(1) &&
                   w13.size(1) == 2 * w2.size(2) && w13.size(0) == w2.size(0),
               "moe_experts: weight shapes do not fit");
   at::Tensor out = at::empty({hidden.size(0), hidden.size(1)}, hidden.options());
@@ -169,16 +168,16 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& w13, const at
       run_experts<c10::Half>(hidden, w13, w2, topk_weights, local_ids, out);
       break;
     default:
-      EMBER_CHECK(false, "moe_experts: float32, bfloat16 or float16 expected");
+      TORCH_CHECK(false, "moe_experts: float32, bfloat16 or float16 expected");
   }
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& logits, int64_t top_k,
                                                     bool renormalize) {
-  EMBER_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "moe_topk_softmax: logits [tokens, E]");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "moe_topk_softmax: logits [tokens, E]");
   const int64_t tokens = logits.size(0), experts = logits.size(1);
-  EMBER_CHECK(top_k >= 1 && top_k <= experts, "moe_topk_softmax: top_k out of range");
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_topk_softmax: top_k out of range");
   at::Tensor weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
   float* wp = weights.data_ptr<float>();
@@ -226,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& logits, in
       route(logits.data_ptr<c10::Half>());
       break;
     default:
-      EMBER_CHECK(false, "moe_topk_softmax: float32, bfloat16 or float16 logits expected");
+      TORCH_CHECK(false, "moe_topk_softmax: float32, bfloat16 or float16 logits expected");
   }
   return {weights, ids};
 }

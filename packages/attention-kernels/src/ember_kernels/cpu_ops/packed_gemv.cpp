@@ -27,7 +27,6 @@
 
 #include "amx_gemm.h"
 #include "bf16_dot.h"
-#include "checks.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -289,7 +288,7 @@ bool rows_fit(const at::Tensor& x, int64_t N, int64_t K, const std::optional<at:
 }  // namespace
 
 void set_packed_gemv_max_rows(int64_t rows) {
-  EMBER_CHECK_VALUE(rows >= 0, "rows: the kernel's largest step must be >= 0, got ", rows);
+  TORCH_CHECK_VALUE(rows >= 0, "rows: the kernel's largest step must be >= 0, got ", rows);
   max_rows.store(rows);
 }
 
@@ -305,10 +304,10 @@ int64_t packed_block_width(const at::Tensor& weight) {
 }
 
 int64_t block_width_of(const at::Tensor& weight, const at::Tensor& stored) {
-  EMBER_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
                         weight.is_contiguous() && weight.size(1) % 2 == 0,
                     "weight: a contiguous bfloat16 [out, in] tensor with even in");
-  EMBER_CHECK_VALUE(stored.scalar_type() == at::kBFloat16 && stored.is_contiguous() &&
+  TORCH_CHECK_VALUE(stored.scalar_type() == at::kBFloat16 && stored.is_contiguous() &&
                         stored.numel() == weight.numel(),
                     "stored: a contiguous bfloat16 tensor of weight's size");
   const auto [width, settled] =
@@ -344,7 +343,7 @@ bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
 }
 
 void set_amx_gemm_max_rows(int64_t rows) {
-  EMBER_CHECK_VALUE(rows >= 0 && rows <= AMX_GEMM_ROWS, "rows: the AMX tiles' largest step must ",
+  TORCH_CHECK_VALUE(rows >= 0 && rows <= AMX_GEMM_ROWS, "rows: the AMX tiles' largest step must ",
                     "be in [0, ", AMX_GEMM_ROWS, "], got ", rows);
   amx_max_rows.store(rows);
 }
@@ -373,18 +372,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
-  EMBER_CHECK_VALUE(weight.dim() == 4 && weight.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK_VALUE(weight.dim() == 4 && weight.scalar_type() == at::kBFloat16 &&
                         weight.is_contiguous() && weight.size(3) == 2 &&
                         (weight.size(2) == 64 || weight.size(2) == 32),
                     "weight: a contiguous bfloat16 [out / W, in / 2, W, 2] tensor, W 64 or 32");
   const int64_t width = weight.size(2), N = weight.size(0) * width, K = weight.size(1) * 2;
-  EMBER_CHECK_VALUE(x.dim() == 2 && rows_fit(x, N, K, std::nullopt),
+  TORCH_CHECK_VALUE(x.dim() == 2 && rows_fit(x, N, K, std::nullopt),
                     "x: bfloat16 [rows, ", K, "] rows of whole input pairs");
-  EMBER_CHECK_VALUE(!bias || rows_fit(x, N, K, bias), "bias: a contiguous bfloat16 [", N, "]");
+  TORCH_CHECK_VALUE(!bias || rows_fit(x, N, K, bias), "bias: a contiguous bfloat16 [", N, "]");
   return blocked_gemv(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
                       width, N, K, bias ? *bias : at::Tensor());
 #else
   (void)x, (void)weight, (void)bias;
-  EMBER_CHECK(false, "blocked_linear needs a CPU with AVX512-BF16");
+  TORCH_CHECK(false, "blocked_linear needs a CPU with AVX512-BF16");
 #endif
 }

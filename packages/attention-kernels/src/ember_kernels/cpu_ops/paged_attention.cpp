@@ -27,7 +27,6 @@
 
 #include "attend_columns.h"
 #include "bf16_dot.h"
-#include "checks.h"
 #include "kernels.h"
 #include "paged_attention_common.h"
 #include "vec.h"
@@ -263,10 +262,10 @@ void paged_attention(
     const at::Tensor& block_table, const at::Tensor& query_start_loc,
     const at::Tensor& seq_lens, double scale, int64_t sliding_window, double soft_cap,
     at::Tensor& out) {
-  EMBER_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size must be contiguous");
-  EMBER_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: head_size must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key_cache/value_cache must be contiguous");
-  EMBER_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
                   query_start_loc.scalar_type() == at::kInt &&
                   query_start_loc.is_contiguous() && seq_lens.scalar_type() == at::kInt &&
                   seq_lens.is_contiguous(),
@@ -301,16 +300,16 @@ void paged_attention(
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
     const int64_t seq_len = p.seq_lens[seq];
-    EMBER_CHECK_VALUE(q_len >= 0 && q_len <= seq_len,
+    TORCH_CHECK_VALUE(q_len >= 0 && q_len <= seq_len,
                       "seq_lens: every sequence's KV length must cover its query tokens (sequence ",
                       seq, ": ", q_len, " new tokens, KV length ", seq_len, ")");
     if (q_len == 0) continue;
     const int64_t pages = (seq_len + p.block_size - 1) / p.block_size;
-    EMBER_CHECK_VALUE(pages <= max_blocks, "block_table: sequence ", seq, " needs ", pages,
+    TORCH_CHECK_VALUE(pages <= max_blocks, "block_table: sequence ", seq, " needs ", pages,
                       " pages, the table has ", max_blocks);
     const int32_t* row = p.block_table + seq * p.bt_stride;
     for (int64_t i = 0; i < pages; ++i) {
-      EMBER_CHECK_VALUE(row[i] >= 0 && row[i] < num_blocks, "block_table: sequence ", seq,
+      TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < num_blocks, "block_table: sequence ", seq,
                         " page ", i, " is block ", row[i], ", outside the cache's ", num_blocks,
                         " blocks");
     }
@@ -334,6 +333,6 @@ void paged_attention(
       run_items<c10::BFloat16>(p, items);
       break;
     default:
-      EMBER_CHECK_VALUE(false, "query: unsupported dtype ", query.scalar_type());
+      TORCH_CHECK_VALUE(false, "query: unsupported dtype ", query.scalar_type());
   }
 }

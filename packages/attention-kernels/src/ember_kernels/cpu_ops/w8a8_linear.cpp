@@ -12,14 +12,13 @@
 #include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
 
-#include "checks.h"
 #include "kernels.h"
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias) {
-  EMBER_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
                     "w8a8_linear: expected x [M, K] and weight [N, K]");
-  EMBER_CHECK_VALUE(weight.scalar_type() == at::kChar && weight_scales.scalar_type() == at::kFloat,
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kChar && weight_scales.scalar_type() == at::kFloat,
                     "w8a8_linear: expected an int8 weight and float32 scales");
   constexpr int64_t kInt8Max = 127;
   const at::Tensor x32 = x.to(at::kFloat);
