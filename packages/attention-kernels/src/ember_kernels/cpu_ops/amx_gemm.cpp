@@ -9,6 +9,7 @@
 // 16-31; tiles 4-5 the rows of x, 6-7 the two halves of the block's 16 input pairs.
 
 #include "amx_gemm.h"
+#include "bf16_dot.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -83,12 +84,6 @@ void block_sums(const c10::BFloat16* x, int64_t x_stride, const uint16_t* block,
   }
 }
 
-inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 template <bool TWO>
 void blocks(int64_t begin, int64_t end, const c10::BFloat16* x, int64_t x_stride, int64_t M,
             const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
@@ -98,7 +93,8 @@ void blocks(int64_t begin, int64_t end, const c10::BFloat16* x, int64_t x_stride
     block_sums<TWO>(x, x_stride, w + block * AMX_GEMM_WIDTH * K, K, sums);
     for (int half = 0; half < 2; ++half) {
       const int64_t col = block * AMX_GEMM_WIDTH + 16 * half;
-      const __m512 add = bias != nullptr ? bf16x16_as_float(bias + col) : _mm512_setzero_ps();
+      const __m512 add =
+          bias != nullptr ? ember_bf16::bf16x16_as_float(bias + col) : _mm512_setzero_ps();
       for (int64_t m = 0; m < M; ++m) {
         const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums + m * 32 + 16 * half), add);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),

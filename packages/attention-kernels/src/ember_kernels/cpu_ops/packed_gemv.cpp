@@ -144,11 +144,6 @@ int64_t packed_width(const at::Tensor& weight) {
   return width;
 }
 
-inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // Output channels [block * W, (block + B) * W) of M rows: for each pair of inputs, the pair of
 // each row broadcast and dotted with the next W channels' pairs (W / 16 vectors per block), so
 // the weight streams through once, in its stored order; one row also prefetches each block's
@@ -181,7 +176,8 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
   for (int b = 0; b < B; ++b) {
     for (int i = 0; i < V; ++i) {
       const int64_t col = b * W + 16 * i;
-      const __m512 add = bias != nullptr ? bf16x16_as_float(bias + col) : _mm512_setzero_ps();
+      const __m512 add =
+          bias != nullptr ? ember_bf16::bf16x16_as_float(bias + col) : _mm512_setzero_ps();
       for (int m = 0; m < M; ++m) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b][i], add)));
