@@ -330,8 +330,9 @@ bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
 #if defined(__AVX512BF16__)
   return weight.is_mkldnn() && x.dim() == 2 && x.size(0) > max_rows.load() &&
          x.size(0) <= amx_max_rows.load() && weight.dim() == 2 &&
-         weight.size(1) % AMX_GEMM_DEPTH == 0 && rows_fit(x, weight.size(0), weight.size(1), bias) &&
-         amx_tiles_ready() && packed_width(weight) == AMX_GEMM_WIDTH;
+         weight.size(1) % AMX_GEMM_DEPTH == 0 &&
+         rows_fit(x, weight.size(0), weight.size(1), bias) && amx_tiles_ready() &&
+         packed_width(weight) == AMX_GEMM_WIDTH;
 #else
   (void)x, (void)weight, (void)bias;
   return false;
