@@ -202,3 +202,25 @@ def test_decode_step_is_the_float_kernel_within_its_activation_steps(dtype, rows
     moved = half_steps @ dequantize_int8(q, scales, torch.float64).abs().T
     bound = moved * 1.001 + exact.abs() * torch.finfo(dtype).eps + 1e-5
     assert ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="compiled CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [5, 8, 13, 32, 40])
+# (out, in, group): multiples of 64 channels and not, groups of 32, 128 and one per channel (the
+# 0.5B model's down projection's inputs)
+@pytest.mark.parametrize(
+    "shape", [(128, 896, 128), (200, 256, 32), (37, 4864, None), (320, 4864, 128)]
+)
+def test_batched_bfloat16_steps_on_whole_and_partial_blocks_of_strided_rows(rows, shape):
+    """bfloat16 steps above the decode's rows give the matmul of bfloat16 on the weight rounded
+    to bfloat16, with a bias, on rows read from a wider tensor, for any number of channels."""
+    torch.manual_seed(rows)
+    out_features, in_features, group_size = shape
+    q, scales = quantize_int8(torch.randn(out_features, in_features), group_size)
+    x = torch.randn(rows, in_features + 64).bfloat16()[:, 32 : 32 + in_features]
+    b = torch.randn(out_features).bfloat16()
+    out = int8_linear(x, q, scales, b)
+    expected = _reference(
+        x, dequantize_int8(q, scales, torch.bfloat16), torch.ones(out_features), b
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
