@@ -53,6 +53,15 @@ class Sampler:
                 f"logits must be [num_reqs={metadata.temperature.shape[0]}, vocab], "
                 f"got {tuple(logits.shape)}"
             )
+        if (
+            metadata.all_greedy
+            and metadata.no_penalties
+            and metadata.min_tokens_mask is None
+            and metadata.max_num_logprobs is None
+        ):  # the argmax reads the model's dtype: no float32 copy of the logits
+            return SamplerOutput(
+                sampled_token_ids=argmax_rows(logits), logprobs=None, logprobs_rows=[]
+            )
         logits = to_float32(logits)
         raw_logits = logits
         if not metadata.no_penalties:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ember_kernels import cpu_ops
+
 _NEG_INF = float("-inf")
 # bfloat16 logits up to this many entries (a decode step's few rows of a large vocabulary) widen
 # to float32 in numpy on the calling thread: torch's conversion of them splits across its threads,
@@ -182,7 +184,12 @@ def to_float32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Per-row argmax (int64). On CPU numpy's SIMD argmax is many times faster than torch's."""
-    if logits.device.type == "cpu":
-        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
-    return logits.argmax(dim=-1)
+    """Per-row argmax (int64): the first index of each row's largest value. On CPU, float32 and
+    bfloat16 logits go to the compiled kernel (``cpu_ops.argmax_rows``: bfloat16 read in place,
+    rows split between the threads) where it is built, else to numpy's SIMD argmax (many times
+    faster than torch's) on float32."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if logits.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+        return cpu_ops.argmax_rows(logits.detach())
+    return torch.from_numpy(np.argmax(to_float32(logits).detach().numpy(), axis=-1))

@@ -120,6 +120,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return _shaped(result, (*x.shape[:-1], x.shape[-1] // 2), out)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row argmax (int64 ``[rows]``) of float32 or bfloat16 ``logits [rows, vocab]``: the
+    first index of each row's largest value, or of its first NaN, as numpy answers; bfloat16
+    widened in registers, rows split between the threads. ValueError for other dtypes."""
+    return _library(logits).argmax_rows(_rows(logits))
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,

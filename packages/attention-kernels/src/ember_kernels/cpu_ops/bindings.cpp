@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "Residual add, then RMSNorm (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, "Per-row argmax of float32/bfloat16 logits (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding from a cos/sin cache (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "Write keys/values into paged caches (CPU)");
   m.def("int8_linear", &int8_linear, "Matmul with a per-channel int8 weight (CPU)");

@@ -40,6 +40,7 @@ SOURCES = [
     for name in (
         "paged_attention.cpp",
         "fused_ops.cpp",
+        "argmax.cpp",
         "int8_linear.cpp",
         "int8_gemv.cpp",
         "lora.cpp",

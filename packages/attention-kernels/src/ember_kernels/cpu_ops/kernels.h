@@ -23,6 +23,9 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 
 at::Tensor silu_and_mul(const at::Tensor& x);
+// Per-row argmax (int64) of float32 or bfloat16 logits [rows, vocab] with contiguous rows: the
+// first index of the largest value, or of the first NaN (numpy's answer), read in place.
+at::Tensor argmax_rows(const at::Tensor& logits);
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> rotary_embedding(
     const at::Tensor& positions, const at::Tensor& query, const std::optional<at::Tensor>& key,
