@@ -44,8 +44,9 @@ void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 // y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 steps
 // of up to packed_gemv_max_rows() rows (a decode batch) stream the packed weight through
 // AVX512-BF16 dot products where the CPU has them and oneDNN's layout is one of the two blocked
-// ones the kernel reads (packed_gemv.cpp), larger ones (prefill) oneDNN's matmul. Summed in
-// float32 and rounded once to x's dtype either way.
+// ones the kernel reads (packed_gemv.cpp); with AMX, steps above that and up to
+// amx_gemm_max_rows() stream it into AMX tiles (amx_gemm.cpp); larger ones (prefill) run
+// oneDNN's matmul. Summed in float32 and rounded once to x's dtype on every path.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 // Whether packed_linear runs the matrix-vector kernel for these operands.

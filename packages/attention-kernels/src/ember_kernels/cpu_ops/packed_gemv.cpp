@@ -16,7 +16,8 @@
 // The most rows the kernel takes is told at load by ember_kernels.cpu_features (the choice's one
 // owner): streaming wins while a step is bound by the weight's bytes, but AVX512-BF16 dot
 // products at 32 rows are bound by arithmetic, which AMX tiles do several times faster, so on a
-// CPU with AMX oneDNN's matmul takes every step above a few rows.
+// CPU with AMX the steps above a few rows run AMX tiles on the same packed bytes (amx_gemm.cpp),
+// up to a decode batch, and oneDNN's matmul above.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
