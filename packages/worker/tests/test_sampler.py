@@ -11,6 +11,7 @@ from ember_scheduler.sampling_params import SamplingParams
 from ember_worker.input_batch import InputBatch
 from ember_worker.sampler import Sampler
 from ember_worker.sampling_metadata import SamplingMetadataBuilder, build_sampling_metadata
+from ember_worker.sampling_ops import argmax_rows
 
 VOCAB = 50
 
@@ -32,6 +33,20 @@ def test_greedy_takes_the_argmax():
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.logprobs_rows == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_reads_reduced_precision_logits_as_their_float32_values(dtype):
+    """An all-greedy step takes the argmax of the model's logits as they are (no float32 copy),
+    the token of the largest value, the first on ties, as of the same values widened."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)).to(dtype)
+    logits[1, [7, 3]] = 50.0  # a tie: the first index
+    batch = batch_of(*[SamplingParams(temperature=0.0)] * 4)
+    out = Sampler()(logits, build_sampling_metadata(batch))
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert out.sampled_token_ids[1] == 3
+    stacked = logits.view(2, 2, VOCAB)  # argmax_rows keeps the leading dims
+    assert torch.equal(argmax_rows(stacked), logits.float().argmax(-1).view(2, 2))
 
 
 def test_logprobs_top_n_chosen_token_and_rank():

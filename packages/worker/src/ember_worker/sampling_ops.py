@@ -191,5 +191,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     if logits.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
-        return cpu_ops.argmax_rows(logits.detach())
+        return cpu_ops.argmax_rows(logits.detach()).view(logits.shape[:-1])
     return torch.from_numpy(np.argmax(to_float32(logits).detach().numpy(), axis=-1))
