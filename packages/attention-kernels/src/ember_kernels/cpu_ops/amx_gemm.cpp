@@ -9,7 +9,7 @@
 // 16-31; tiles 4-5 the rows of x, 6-7 the two halves of the block's 16 input pairs.
 
 #include "amx_gemm.h"
-#include "bf16_dot.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -94,7 +94,7 @@ void blocks(int64_t begin, int64_t end, const c10::BFloat16* x, int64_t x_stride
     for (int half = 0; half < 2; ++half) {
       const int64_t col = block * AMX_GEMM_WIDTH + 16 * half;
       const __m512 add =
-          bias != nullptr ? ember_bf16::bf16x16_as_float(bias + col) : _mm512_setzero_ps();
+          bias != nullptr ? ember_vec::load_as_m512(bias + col) : _mm512_setzero_ps();
       for (int64_t m = 0; m < M; ++m) {
         const __m512 sum = _mm512_add_ps(_mm512_load_ps(sums + m * 32 + 16 * half), add);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),

@@ -10,21 +10,18 @@
 #include <c10/util/Exception.h>
 
 #include "kernels.h"
+#include "vec.h"
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-// The first NaN's index from `start`, or -1.
+// The first NaN's index (-1: none).
 template <typename T>
-int64_t first_nan(const T* row, int64_t start, int64_t n) {
-  for (int64_t i = start; i < n; ++i) {
+int64_t first_nan(const T* row, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
     if (std::isnan(static_cast<float>(row[i]))) return i;
   }
   return -1;
@@ -43,13 +40,7 @@ int64_t scan(const T* row, int64_t start, int64_t n, float best, int64_t at) {
 
 #if defined(__AVX512F__)
 
-inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 widen(const c10::BFloat16* p) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using ember_vec::load_as_m512;
 
 // Two lanes' bests merged lane by lane: the larger value, on equal values the smaller index.
 inline void merge(__m512& best, __m512i& at, __m512 other, __m512i other_at) {
@@ -67,13 +58,13 @@ int64_t row_argmax(const T* row, int64_t n) {
   constexpr int64_t STEP = 32;
   if (n < STEP) return scan(row, 0, n, -std::numeric_limits<float>::infinity(), 0);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 best0 = widen(row), best1 = widen(row + 16);
+  __m512 best0 = load_as_m512(row), best1 = load_as_m512(row + 16);
   __m512i at0 = lanes, at1 = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
   __mmask16 nan = _mm512_cmp_ps_mask(best0, best0, _CMP_UNORD_Q) |
                   _mm512_cmp_ps_mask(best1, best1, _CMP_UNORD_Q);
   int64_t i = STEP;
   for (; i + STEP <= n; i += STEP) {
-    const __m512 v0 = widen(row + i), v1 = widen(row + i + 16);
+    const __m512 v0 = load_as_m512(row + i), v1 = load_as_m512(row + i + 16);
     const __m512i i0 = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i)));
     const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(16));
     const __mmask16 up0 = _mm512_cmp_ps_mask(v0, best0, _CMP_GT_OQ);
@@ -84,7 +75,7 @@ int64_t row_argmax(const T* row, int64_t n) {
     best1 = _mm512_mask_mov_ps(best1, up1, v1);
     at1 = _mm512_mask_mov_epi32(at1, up1, i1);
   }
-  if (nan) return first_nan(row, 0, n);
+  if (nan) return first_nan(row, n);
   merge(best0, at0, best1, at1);
   const float top = _mm512_reduce_max_ps(best0);
   const __mmask16 tops = _mm512_cmp_ps_mask(best0, _mm512_set1_ps(top), _CMP_EQ_OQ);

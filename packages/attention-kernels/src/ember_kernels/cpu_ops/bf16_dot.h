@@ -18,13 +18,6 @@ namespace ember_bf16 {
 
 constexpr bool BF16_DOT = true;
 
-// Sixteen bfloat16 as float32 (exact: a bfloat16 is the top half of its float32).
-inline __m512 bf16x16_as_float(const c10::BFloat16* p) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(static_cast<const void*>(p));
 }

@@ -29,6 +29,7 @@
 #include "amx_gemm.h"
 #include "bf16_dot.h"
 #include "kernels.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -178,7 +179,7 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
     for (int i = 0; i < V; ++i) {
       const int64_t col = b * W + 16 * i;
       const __m512 add =
-          bias != nullptr ? ember_bf16::bf16x16_as_float(bias + col) : _mm512_setzero_ps();
+          bias != nullptr ? ember_vec::load_as_m512(bias + col) : _mm512_setzero_ps();
       for (int m = 0; m < M; ++m) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b][i], add)));

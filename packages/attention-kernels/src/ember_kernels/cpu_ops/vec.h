@@ -140,6 +140,17 @@ inline vf load_as_float(const T* p) {
   }
 }
 
+#if defined(__AVX512F__)
+// load_as_float as an AVX-512 register, for kernels written in intrinsics.
+template <typename T>
+inline __m512 load_as_m512(const T* p) {
+  const vf v = load_as_float(p);
+  __m512 out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+#endif
+
 // VW floats stored at p as T, each rounded as static_cast<T> rounds it.
 template <typename T>
 inline void store_as(T* p, vf v) {
