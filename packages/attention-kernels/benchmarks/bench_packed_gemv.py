@@ -2,9 +2,9 @@
 (``cpu_ops.packed_linear``) against oneDNN's own matmul on the same packed weight, and on a CPU
 with AMX-BF16 Ember's AMX tiles too, per row count, with the path the engine takes at each
 (``cpu_features.packed_gemv_max_rows()``: 32 rows, 2 on a CPU with AMX-BF16; then
-``amx_gemm_max_rows()``) and the row cap the run suggests; and the int8 weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as
-``--quantization int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and
-its scales.
+``amx_gemm_max_rows()``) and the row cap the run suggests; and the int8 weight-only kernel
+(``cpu_ops.int8_linear``, group-wise scales as ``--quantization int8_weight_only`` makes them) on
+the same shapes, its bytes the int8 weight and its scales.
 
 The Qwen2.5-0.5B shapes (fused q/k/v 1152x896, output 896x896, gate/up 9728x896, down
 896x4864, the LM head 151936x896) at each of ``--rows`` (default 1-32). Each shape gets enough
@@ -78,9 +78,19 @@ def capped(stream_rows: int, amx_rows: int, fn):
     return run
 
 
+def engine_path(x: torch.Tensor, weight: torch.Tensor, caps: tuple[int, int]) -> str:
+    """The path ``packed_linear`` takes for ``x`` under this CPU's row caps, as the kernels say."""
+    cpu_ops.set_packed_gemv_max_rows(caps[0])
+    cpu_ops.set_amx_gemm_max_rows(caps[1])
+    if cpu_ops.packed_gemv_applies(x, weight):
+        return "Ember"
+    return "AMX" if cpu_ops.amx_gemm_applies(x, weight) else "oneDNN"
+
+
 def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
     """Per row count, the best GB/s of weight read of each kernel on copies of a ``[n, k]``
-    weight, with the best sum and triad bandwidths of the same rounds."""
+    weight, with the best sum and triad bandwidths of the same rounds and the path the engine
+    takes (``engine_path``)."""
     copies = max(1, (args.megabytes << 20) // (2 * n * k))
     packed = [
         pack_linear_weight(torch.randn(n, k, generator=gen).to(torch.bfloat16))
@@ -119,7 +129,7 @@ def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
             for kernel, (weights, fn) in kernels.items():
                 seconds = best_seconds(lambda fn=fn, weights=weights: [fn(w) for w in weights])
                 best[kernel] = max(best[kernel], weight_bytes(weights[0]) * len(weights) / seconds)
-        results[m] = (best, read, triad_bw)
+        results[m] = (best, read, triad_bw, engine_path(x, packed[0], args.caps))
     return results, width
 
 
@@ -135,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     stream = torch.rand(1 << 26, generator=gen)
     triad = [torch.empty(1 << 25), torch.rand(1 << 25, generator=gen), torch.rand(1 << 25)]
     cap, amx_cap = cpu_features.packed_gemv_max_rows(), cpu_features.amx_gemm_max_rows()
+    args.caps = (cap, amx_cap)
     args.amx = cpu_ops.amx_gemm_applies(
         torch.zeros(32, 64, dtype=torch.bfloat16),
         pack_linear_weight(torch.randn(64, 64, generator=gen).bfloat16()),
@@ -154,17 +165,12 @@ def main(argv: list[str] | None = None) -> None:
             results, width = measure(n, k, args.rows, args, gen, stream, triad)
             layout = f"{width}-wide blocks" if width else "a layout Ember does not read"
             print(f"{name} {n}x{k}: oneDNN packed it in {layout}", flush=True)
-            for m, (best, read, triad_bw) in results.items():
+            for m, (best, read, triad_bw, engine) in results.items():
                 gbs = {kernel: v / 1e9 for kernel, v in best.items()}
                 ratio = best["Ember"] / max(best[other] for other in others)
                 wins[m].append(ratio if width else 0.0)
                 if args.amx:
                     amx_wins[m].append(best["AMX"] / best["oneDNN"] if width == 32 else 0.0)
-                engine = (
-                    "Ember" if width and m <= cap
-                    else "AMX" if args.amx and width == 32 and k % 32 == 0 and m <= amx_cap
-                    else "oneDNN"
-                )  # fmt: skip
                 # int8's time over Ember's, from the bytes each read: 0.5 where int8 streams as fast
                 int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
                 print(

@@ -56,9 +56,10 @@ def has_fp16_arithmetic() -> bool:
 # The most rows of a bfloat16 step that Ember's streaming kernel (``cpu_ops.packed_linear``) takes
 # from oneDNN's matmul. A step of a few rows is bound by reading the weight, where streaming it
 # in stored order beats oneDNN; with more rows AVX512-BF16 dot products become bound by
-# arithmetic, which AMX tiles do several times faster: with AMX, oneDNN's matmul wins from 3 rows
-# on every 0.5B shape (``benchmarks/bench_packed_gemv.py`` prints both kernels per row count on
-# the same packed weight and the cap a CPU supports; figures in the package README).
+# arithmetic, which AMX tiles do several times faster, so with AMX the kernel keeps only the few
+# rows where it measured at least as fast on every 0.5B shape (``benchmarks/bench_packed_gemv.py``
+# prints the kernels per row count on the same packed weight and the cap a CPU supports; the
+# figures are in the package README).
 PACKED_GEMV_MAX_ROWS = 32
 PACKED_GEMV_MAX_ROWS_WITH_AMX = 2
 # The most rows of a bfloat16 step that AMX tiles take from oneDNN's matmul above the streaming
