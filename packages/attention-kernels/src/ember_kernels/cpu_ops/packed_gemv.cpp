@@ -149,11 +149,13 @@ int64_t packed_width(const at::Tensor& weight) {
 // Output channels [block * W, (block + B) * W) of M rows: for each pair of inputs, the pair of
 // each row broadcast and dotted with the next W channels' pairs (W / 16 vectors per block), so
 // the weight streams through once, in its stored order; one row also prefetches each block's
-// stream PREFETCH_BYTES * W / 64 ahead (past a weight's end a prefetch reads nothing, and never
-// faults). Each channel's sum runs over the pairs in the same order at either width.
+// stream PREFETCH_BYTES * W / 64 ahead, and a tile that reads its blocks from cache asks for
+// `prefetch_step` bytes of `prefetch` per pair (past a weight's end a prefetch reads nothing, and
+// never faults). Each channel's sum runs over the pairs in the same order at either width.
 template <int W, int M, int B>
 void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
-                 const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride) {
+                 const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride,
+                 const char* prefetch = nullptr, int64_t prefetch_step = 0) {
   constexpr int V = W / 16;
   __m512 acc[M][B][V];
   for (int m = 0; m < M; ++m)
@@ -163,6 +165,9 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512bh xs[M];
     for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_set1_epi32(x[m * x_stride + kp]);
+    for (int64_t off = 0; off < prefetch_step; off += 64) {
+      _mm_prefetch(prefetch + kp * prefetch_step + off, _MM_HINT_T1);
+    }
     for (int b = 0; b < B; ++b) {
       const uint16_t* line = w + (b * pairs + kp) * W * 2;
       if constexpr (M == 1) {
@@ -214,6 +219,20 @@ void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
   blocks_by<W, M, G>(begin, end, x, x_stride, w, K, bias, y, y_stride);
 }
 
+// One tile of rows over the blocks [group, group_end) of one group: a whole group in one pass
+// (asking for `prefetch`'s bytes on the way), a ragged last group a block at a time.
+template <int W, int M, int G>
+void group_tile(int64_t group, int64_t group_end, const uint32_t* x, int64_t x_stride,
+                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                int64_t y_stride, const char* prefetch, int64_t prefetch_step) {
+  if (group_end - group < G) {
+    blocks_by<W, M, G>(group, group_end, x, x_stride, w, K, bias, y, y_stride);
+    return;
+  }
+  gemv_blocks<W, M, G>(x, x_stride, w + group * W * K, K, bias ? bias + group * W : nullptr,
+                       y + group * W, y_stride, prefetch, prefetch_step);
+}
+
 // Blocks [begin, end) for any number of rows: each 64 channels' rows in tiles of at most
 // ROW_TILE (what the registers hold beside the four weight vectors), so the first tile streams
 // the weights in from memory and the others read them again from cache.
@@ -222,14 +241,28 @@ void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int
                 const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
                 int64_t y_stride) {
   constexpr int G = 64 / W;
+  const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+  const int64_t pairs = K / 2;
+  // The whole tiles after the first read the group from cache; meanwhile each asks for the next
+  // group's bytes in L2, a line per input pair (a quarter of the group), so that at a decode
+  // batch's rows no tile waits on memory. A ragged tile is already bound by cache reads.
+  const int64_t group_bytes = int64_t{64} * K * 2;
+  constexpr int64_t step = 64;
   for (int64_t group = begin; group < end; group += G) {
     const int64_t group_end = std::min<int64_t>(group + G, end);
-    for (int64_t row = 0; row < rows; row += ROW_TILE) {
+    const char* next = reinterpret_cast<const char*>(w + group_end * W * K);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t row = tile * ROW_TILE;
       const uint32_t* xr = x + row * x_stride;
       c10::BFloat16* yr = y + row * y_stride;
+      const int64_t from = (tile - 1) * pairs * step;
+      const bool ahead =
+          tile > 0 && rows - row >= ROW_TILE && group_end < end && from < group_bytes;
+      const char* pf = ahead ? next + from : nullptr;
+      const int64_t pf_step = ahead ? step : 0;
       switch (std::min<int64_t>(ROW_TILE, rows - row)) {
 #define EMBER_ROW_TILE(R)                                                               \
-  blocks_by<W, R, G>(group, group_end, xr, x_stride, w, K, bias, yr, y_stride); \
+  group_tile<W, R, G>(group, group_end, xr, x_stride, w, K, bias, yr, y_stride, pf, pf_step); \
   break;
         case 1: EMBER_ROW_TILE(1)
         case 2: EMBER_ROW_TILE(2)
