@@ -1,10 +1,12 @@
-"""bfloat16 steps of 1-32 rows on oneDNN-packed weights: Ember's streaming kernel
+"""bfloat16 or float32 steps of 1-32 rows on oneDNN-packed weights: Ember's streaming kernel
 (``cpu_ops.packed_linear``) against oneDNN's own matmul on the same packed weight, and on a CPU
 with AMX-BF16 Ember's AMX tiles too, per row count, with the path the engine takes at each
 (``cpu_features.packed_gemv_max_rows()``: 32 rows, 2 on a CPU with AMX-BF16; then
-``amx_gemm_max_rows()``) and the row cap the run suggests; and the int8 weight-only kernel
-(``cpu_ops.int8_linear``, group-wise scales as ``--quantization int8_weight_only`` makes them) on
-the same shapes, its bytes the int8 weight and its scales.
+``amx_gemm_max_rows()``) and the row cap the run suggests; and, beside bfloat16, the int8
+weight-only kernel (``cpu_ops.int8_linear``, group-wise scales as ``--quantization
+int8_weight_only`` makes them) on the same shapes, its bytes the int8 weight and its scales.
+``--dtype float32`` times float32 steps (the kernel's AVX-512 multiply-adds against oneDNN's
+float32 matmul; its own cap, ``packed_gemv_max_rows(torch.float32)``).
 
 The Qwen2.5-0.5B shapes (fused q/k/v 1152x896, output 896x896, gate/up 9728x896, down
 896x4864, the LM head 151936x896) at each of ``--rows`` (default 1-32). Each shape gets enough
@@ -18,6 +20,7 @@ Each of Ember's kernels is timed at every row count (its cap set for the call); 
 says which path a step of that many rows runs by default.
 
     python3 packages/attention-kernels/benchmarks/bench_packed_gemv.py [--threads 1] [--rows 1-32]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ def best_seconds(fn, repeats: int = 1) -> float:
 
 
 def weight_bytes(weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> int:
-    """Bytes a kernel reads of a weight: a packed bfloat16 one, or an int8 one with its scales."""
+    """Bytes a kernel reads of a weight: a packed one, or an int8 one with its scales."""
     if isinstance(weight, tuple):
         return sum(t.numel() * t.element_size() for t in weight)
-    return weight.shape[0] * weight.shape[1] * 2
+    return weight.shape[0] * weight.shape[1] * weight.element_size()
 
 
 def parse_rows(text: str) -> list[int]:
@@ -67,11 +70,11 @@ def parse_rows(text: str) -> list[int]:
     return rows
 
 
-def capped(stream_rows: int, amx_rows: int, fn):
-    """``fn`` run with the streaming kernel's and the AMX tiles' row caps set for it."""
+def capped(stream_rows: int, amx_rows: int, fn, dtype: torch.dtype):
+    """``fn`` run with the streaming kernel's (for ``dtype``) and the AMX tiles' row caps set."""
 
     def run(w):
-        cpu_ops.set_packed_gemv_max_rows(stream_rows)
+        cpu_ops.set_packed_gemv_max_rows(stream_rows, dtype)
         cpu_ops.set_amx_gemm_max_rows(amx_rows)
         return fn(w)
 
@@ -80,7 +83,7 @@ def capped(stream_rows: int, amx_rows: int, fn):
 
 def engine_path(x: torch.Tensor, weight: torch.Tensor, caps: tuple[int, int]) -> str:
     """The path ``packed_linear`` takes for ``x`` under this CPU's row caps, as the kernels say."""
-    cpu_ops.set_packed_gemv_max_rows(caps[0])
+    cpu_ops.set_packed_gemv_max_rows(caps[0], x.dtype)
     cpu_ops.set_amx_gemm_max_rows(caps[1])
     if cpu_ops.packed_gemv_applies(x, weight):
         return "Ember"
@@ -91,32 +94,36 @@ def measure(n: int, k: int, rows: list[int], args, gen, stream, triad):
     """Per row count, the best GB/s of weight read of each kernel on copies of a ``[n, k]``
     weight, with the best sum and triad bandwidths of the same rounds and the path the engine
     takes (``engine_path``)."""
-    copies = max(1, (args.megabytes << 20) // (2 * n * k))
+    size = args.dtype.itemsize
+    copies = max(1, (args.megabytes << 20) // (size * n * k))
     packed = [
-        pack_linear_weight(torch.randn(n, k, generator=gen).to(torch.bfloat16))
-        for _ in range(copies)
+        pack_linear_weight(torch.randn(n, k, generator=gen).to(args.dtype)) for _ in range(copies)
     ]
-    int8 = [  # twice the copies: as many bytes as the bfloat16 ones
+    int8 = [  # as many bytes as the packed copies
         quantize_int8(torch.randn(n, k, generator=gen), weight_group_size(k))
-        for _ in range(2 * copies)
+        for _ in range(size * copies if args.int8 else 0)
     ]
     width = cpu_ops.packed_block_width(packed[0])  # the layout check, once, before the timings
     a, b, c = triad
     results = {}
     for m in rows:
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(args.dtype)
         kernels = {
             "oneDNN": (
                 packed,
                 lambda w, x=x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
             ),
-            "Ember": (packed, capped(m, 0, lambda w, x=x: cpu_ops.packed_linear(x, w, None))),
-            "int8": (int8, lambda w, x=x: cpu_ops.int8_linear(x, w[0], w[1], None)),
+            "Ember": (
+                packed,
+                capped(m, 0, lambda w, x=x: cpu_ops.packed_linear(x, w, None), args.dtype),
+            ),
         }
+        if args.int8:
+            kernels["int8"] = (int8, lambda w, x=x: cpu_ops.int8_linear(x, w[0], w[1], None))
         if args.amx:
             kernels["AMX"] = (
                 packed,
-                capped(0, m, lambda w, x=x: cpu_ops.packed_linear(x, w, None)),
+                capped(0, m, lambda w, x=x: cpu_ops.packed_linear(x, w, None), args.dtype),
             )
         best = dict.fromkeys(kernels, 0.0)
         read = triad_bw = 0.0
@@ -139,20 +146,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=parse_rows, default=parse_rows("1-32"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--megabytes", type=int, default=256)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    args.int8 = args.dtype == torch.bfloat16  # the int8 kernel's bfloat16 steps, beside bfloat16
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     stream = torch.rand(1 << 26, generator=gen)
     triad = [torch.empty(1 << 25), torch.rand(1 << 25, generator=gen), torch.rand(1 << 25)]
-    cap, amx_cap = cpu_features.packed_gemv_max_rows(), cpu_features.amx_gemm_max_rows()
+    cap = cpu_features.packed_gemv_max_rows(args.dtype)
+    amx_cap = cpu_features.amx_gemm_max_rows()
     args.caps = (cap, amx_cap)
-    args.amx = cpu_ops.amx_gemm_applies(
+    args.amx = args.dtype == torch.bfloat16 and cpu_ops.amx_gemm_applies(
         torch.zeros(32, 64, dtype=torch.bfloat16),
         pack_linear_weight(torch.randn(64, 64, generator=gen).bfloat16()),
     )
     print(
-        f"{args.threads} thread(s); CPU: {cpu_features.describe()}; the engine runs Ember's kernel "
-        f"for steps of up to {cap} rows where the layout is one it reads"
+        f"{args.threads} thread(s), {args.dtype}; CPU: {cpu_features.describe()}; the engine runs "
+        f"Ember's kernel for steps of up to {cap} rows where the layout is one it reads"
         + (f", AMX tiles up to {amx_cap} rows on 32-wide blocks" if args.amx else "")
         + f"; GB/s of weight read, best of {args.repeats}; ratios against the sum and the triad "
         "of the same rounds"
@@ -172,7 +183,11 @@ def main(argv: list[str] | None = None) -> None:
                 if args.amx:
                     amx_wins[m].append(best["AMX"] / best["oneDNN"] if width == 32 else 0.0)
                 # int8's time over Ember's, from the bytes each read: 0.5 where int8 streams as fast
-                int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
+                int8_time = (
+                    (n * k + 4 * n * k // weight_group_size(k)) / best["int8"] if args.int8 else 0
+                )
+                size = args.dtype.itemsize
+                flop_per_byte = 2 * m / size
                 print(
                     f"  rows {m:2}  sum {read / 1e9:5.1f}  triad {triad_bw / 1e9:5.1f}  "
                     + "  ".join(
@@ -181,13 +196,17 @@ def main(argv: list[str] | None = None) -> None:
                         for kernel, v in gbs.items()
                     )
                     + "  GFLOP/s "
-                    + " ".join(f"{kernel} {m * v:6.1f}" for kernel, v in gbs.items())
+                    + " ".join(f"{kernel} {flop_per_byte * v:6.1f}" for kernel, v in gbs.items())
                     + f"  Ember / {' or '.join(others)} {ratio:4.2f}x  engine runs {engine}"
-                    + f"  int8 time / Ember time {int8_time / (2 * n * k / best['Ember']):4.2f}",
+                    + (
+                        f"  int8 time / Ember time {int8_time * best['Ember'] / (size * n * k):4.2f}"
+                        if args.int8
+                        else ""
+                    ),
                     flush=True,
                 )
     finally:
-        cpu_ops.set_packed_gemv_max_rows(cap)
+        cpu_ops.set_packed_gemv_max_rows(cap, args.dtype)
         cpu_ops.set_amx_gemm_max_rows(amx_cap)
     # The cap this run supports: the most rows up to which Ember's kernel was at least as fast as
     # the other paths on every shape at every row count measured.
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(
         f"suggested cap (Ember at least as fast on every shape up to it): {suggested} rows; "
-        f"this CPU's cap (cpu_features.packed_gemv_max_rows): {cap}"
+        f"this CPU's cap (cpu_features.packed_gemv_max_rows({args.dtype})): {cap}"
     )
 
 

@@ -62,6 +62,10 @@ def has_fp16_arithmetic() -> bool:
 # figures are in the package README).
 PACKED_GEMV_MAX_ROWS = 32
 PACKED_GEMV_MAX_ROWS_WITH_AMX = 2
+# The same for float32 steps, on any CPU with AVX-512 (the kernel's multiply-adds): AMX has no
+# float32 tiles, so oneDNN's float32 matmul does the same arithmetic and streaming wins up to a
+# decode batch.
+PACKED_GEMV_MAX_ROWS_FLOAT32 = 32
 # The most rows of a bfloat16 step that AMX tiles take from oneDNN's matmul above the streaming
 # kernel's cap (``cpu_ops/amx_gemm.cpp``: the packed weight streamed once into tiles): a decode
 # batch. Larger steps (prefill) run oneDNN's matmul, whose AMX kernels reuse each weight tile
@@ -70,10 +74,15 @@ AMX_GEMM_MAX_ROWS = 32
 
 
 @functools.cache
-def packed_gemv_max_rows() -> int:
-    """The most rows of a bfloat16 step on a packed weight that Ember's streaming kernel runs
-    here (above it oneDNN's matmul): ``PACKED_GEMV_MAX_ROWS``, or
-    ``PACKED_GEMV_MAX_ROWS_WITH_AMX`` on a CPU with AMX-BF16."""
+def packed_gemv_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most rows of a bfloat16 or float32 step on a packed weight that Ember's streaming
+    kernel runs here (above it oneDNN's matmul): bfloat16 ``PACKED_GEMV_MAX_ROWS``, or
+    ``PACKED_GEMV_MAX_ROWS_WITH_AMX`` on a CPU with AMX-BF16; float32
+    ``PACKED_GEMV_MAX_ROWS_FLOAT32``."""
+    if dtype == torch.float32:
+        return PACKED_GEMV_MAX_ROWS_FLOAT32
+    if dtype != torch.bfloat16:
+        raise ValueError(f"dtype: the streaming kernel runs bfloat16 or float32, got {dtype}")
     return PACKED_GEMV_MAX_ROWS_WITH_AMX if has_amx_bf16() else PACKED_GEMV_MAX_ROWS
 
 

@@ -110,7 +110,7 @@ def linear(
     if quantize_activations:
         raise ValueError(f"quantize_activations: needs an int8 weight, got {weight.dtype}")
     if weight.is_mkldnn:
-        if x.dtype == torch.bfloat16 and cpu_ops.available():  # the compiled stack's path
+        if cpu_ops.available():  # the compiled stack's path
             return cpu_ops.packed_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -26,6 +26,7 @@ from ember_kernels.cpu_ops.build import (
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PACKED_GEMV_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes of packed_linear's own kernel
 _told: list = [None]  # the library told this CPU's choices (packed_gemv_max_rows)
 _step = threading.local()  # .depth: one_step blocks open; .available: their answer once asked
 
@@ -81,7 +82,8 @@ def _library(*tensors: torch.Tensor):
     if library is None:
         raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
     if library is not _told[0]:  # first use: the kernels learn the row caps chosen for this CPU
-        library.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows())
+        for dtype in PACKED_GEMV_DTYPES:
+            library.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows(dtype), dtype)
         library.set_amx_gemm_max_rows(cpu_features.amx_gemm_max_rows())
         _told[0] = library
     return library
@@ -166,22 +168,24 @@ def packed_gemv_applies(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> bool:
     """Whether ``packed_linear`` runs Ember's decode-step kernel for these operands (a bfloat16
-    ``x`` of at most ``packed_gemv_max_rows()`` rows, a CPU with AVX512-BF16, a packed layout the
-    kernel reads: ``packed_block_width``)."""
+    ``x`` on a CPU with AVX512-BF16 or a float32 one on a CPU with AVX-512, of at most
+    ``packed_gemv_max_rows(x.dtype)`` rows, a packed layout the kernel reads:
+    ``packed_block_width``)."""
     return _library().packed_gemv_applies(_rows(x), weight, bias)
 
 
-def packed_gemv_max_rows() -> int:
-    """The most rows of a step ``packed_linear`` runs Ember's kernel for, as the compiled kernels
-    hold it (``cpu_features.packed_gemv_max_rows()`` unless set)."""
-    return _library().packed_gemv_max_rows()
+def packed_gemv_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most rows of a ``dtype`` step (bfloat16 or float32) ``packed_linear`` runs Ember's
+    kernel for, as the compiled kernels hold it (``cpu_features.packed_gemv_max_rows(dtype)``
+    unless set)."""
+    return _library().packed_gemv_max_rows(dtype)
 
 
-def set_packed_gemv_max_rows(rows: int) -> None:
-    """Override the row cap of ``packed_linear``'s kernel in this process (benchmarks and tests;
-    0 runs oneDNN's matmul for every step); ValueError (from the kernels) for a negative
-    ``rows``."""
-    _library().set_packed_gemv_max_rows(rows)
+def set_packed_gemv_max_rows(rows: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Override the row cap of ``packed_linear``'s kernel for ``dtype`` steps in this process
+    (benchmarks and tests; 0 runs oneDNN's matmul for every step); ValueError (from the kernels)
+    for a negative ``rows`` or another dtype."""
+    _library().set_packed_gemv_max_rows(rows, dtype)
 
 
 def amx_gemm_applies(
@@ -206,8 +210,9 @@ def set_amx_gemm_max_rows(rows: int) -> None:
 
 
 def packed_block_width(weight: torch.Tensor) -> int:
-    """The block width (64 or 32) of the layout oneDNN packed a bfloat16 weight in, where Ember's
-    kernel reads it; 0 for any other layout, a plain tensor, or a CPU without AVX512-BF16."""
+    """The block width (64 or 32) of the layout oneDNN packed a bfloat16 or float32 weight in,
+    where Ember's kernel reads it; 0 for any other layout, a plain tensor, or a CPU without the
+    kernel's arithmetic for the weight's dtype."""
     return _library().packed_block_width(weight)
 
 

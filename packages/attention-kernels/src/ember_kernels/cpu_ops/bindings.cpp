@@ -16,9 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemv_applies", &packed_gemv_applies,
         "Whether packed_linear runs its matrix-vector kernel on these operands (CPU)");
   m.def("set_packed_gemv_max_rows", &set_packed_gemv_max_rows,
-        "Set the most rows packed_linear runs its kernel for (CPU)");
+        "Set the most rows of a dtype's step packed_linear runs its kernel for (CPU)");
   m.def("packed_gemv_max_rows", &packed_gemv_max_rows,
-        "The most rows packed_linear runs its kernel for (CPU)");
+        "The most rows of a dtype's step packed_linear runs its kernel for (CPU)");
   m.def("amx_gemm_applies", &amx_gemm_applies,
         "Whether packed_linear runs AMX tiles on these operands (CPU)");
   m.def("set_amx_gemm_max_rows", &set_amx_gemm_max_rows,
@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_max_rows", &amx_gemm_max_rows,
         "The most rows packed_linear runs AMX tiles for (CPU)");
   m.def("packed_block_width", &packed_block_width,
-        "Block width (64, 32) of a packed bfloat16 weight's layout, 0 for another (CPU)");
+        "Block width (64, 32) of a packed bf16/fp32 weight's layout, 0 for another (CPU)");
   m.def("block_width_of", &block_width_of,
         "Block width (64, 32) of the layout a plain tensor holds a weight in, 0 for another");
   m.def("blocked_linear", &blocked_linear, "x W^T + b on a weight in Ember's blocked layout (CPU)");

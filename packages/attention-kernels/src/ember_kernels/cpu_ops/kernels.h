@@ -41,21 +41,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // layouts int8_linear takes.
 void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 
-// y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 steps
-// of up to packed_gemv_max_rows() rows (a decode batch) stream the packed weight through
-// AVX512-BF16 dot products where the CPU has them and oneDNN's layout is one of the two blocked
-// ones the kernel reads (packed_gemv.cpp); with AMX, steps above that and up to
-// amx_gemm_max_rows() stream it into AMX tiles (amx_gemm.cpp); larger ones (prefill) run
-// oneDNN's matmul. Summed in float32 and rounded once to x's dtype on every path.
+// y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 and
+// float32 steps of up to packed_gemv_max_rows(dtype) rows (a decode batch) stream the packed
+// weight through AVX512-BF16 dot products or AVX-512 multiply-adds where the CPU has them and
+// oneDNN's layout is one of the two blocked ones the kernel reads (packed_gemv.cpp); with AMX,
+// bfloat16 steps above that and up to amx_gemm_max_rows() stream it into AMX tiles
+// (amx_gemm.cpp); larger ones (prefill) run oneDNN's matmul. Summed in float32 and rounded once
+// to x's dtype on every path.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 // Whether packed_linear runs the matrix-vector kernel for these operands.
 bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
-// The most rows packed_linear runs the kernel for: 0 (none) until told, which the Python side
-// does at load from what the CPU offers (ember_kernels.cpu_features.packed_gemv_max_rows).
-void set_packed_gemv_max_rows(int64_t rows);
-int64_t packed_gemv_max_rows();
+// The most rows of a bfloat16 or float32 step packed_linear runs the kernel for: 0 (none) until
+// told, which the Python side does at load from what the CPU offers
+// (ember_kernels.cpu_features.packed_gemv_max_rows); ValueError for another dtype.
+void set_packed_gemv_max_rows(int64_t rows, at::ScalarType dtype);
+int64_t packed_gemv_max_rows(at::ScalarType dtype);
 // Whether packed_linear runs AMX tiles for these operands (amx_gemm.cpp): steps above
 // packed_gemv_max_rows() rows and up to amx_gemm_max_rows() (0 until told, at most 32), on a CPU
 // whose tiles this process may use, a weight oneDNN packed 32 channels a block, whole tile steps.
@@ -63,8 +65,8 @@ bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias);
 void set_amx_gemm_max_rows(int64_t rows);
 int64_t amx_gemm_max_rows();
-// The block width (64 or 32) of the layout a packed bfloat16 weight's bytes are in, 0 for any
-// other layout, CPU or tensor.
+// The block width (64 or 32) of the layout a packed bfloat16 or float32 weight's bytes are in, 0
+// for any other layout, CPU or tensor.
 int64_t packed_block_width(const at::Tensor& weight);
 // The same check on plain tensors: the block width (64 or 32) of the layout `stored` holds
 // `weight` [N, K]'s values in, 0 for another or where several layouts fit the values.

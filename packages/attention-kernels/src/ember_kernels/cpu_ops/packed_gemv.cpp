@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 
@@ -48,10 +49,17 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribut
 
 namespace {
 
-// The most rows of a step the streaming kernel takes, and of one the AMX tiles take above it (0
-// until told: oneDNN runs every step).
-std::atomic<int64_t> max_rows{0};
+// The most rows of a step the streaming kernel takes, bfloat16 and float32, and of a bfloat16
+// one the AMX tiles take above it (0 until told: oneDNN runs every step).
+std::atomic<int64_t> max_rows_bf16{0};
+std::atomic<int64_t> max_rows_f32{0};
 std::atomic<int64_t> amx_max_rows{0};
+
+std::atomic<int64_t>& max_rows(at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat,
+                    "dtype: the streaming kernel runs bfloat16 or float32 steps, got ", dtype);
+  return dtype == at::kBFloat16 ? max_rows_bf16 : max_rows_f32;
+}
 
 // How far ahead of each block's stream a one-row step asks for the weight in L2, in bytes of a
 // 64-wide block (the same number of input pairs ahead at either width): the hardware prefetchers
@@ -115,68 +123,102 @@ std::pair<int64_t, bool> stored_block_width(const uint32_t* plain, const uint32_
   return {readable, matches <= 1};
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
-const uint16_t* packed_bytes(const at::Tensor& weight) {
-  return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(weight));
+// How a step multiplies: both read x and the weight as 32-bit units, a pair of bfloat16 (dotted
+// into float32 by AVX512-BF16) or one float32 (multiply-added).
+#if defined(__AVX512BF16__)
+struct Bf16Pairs {
+  using T = c10::BFloat16;
+  static constexpr at::ScalarType DTYPE = at::kBFloat16;
+  static constexpr int PER_UNIT = 2;
+  static __m512 madd(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+  static void store(T* y, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+#endif
+
+struct Fp32 {
+  using T = float;
+  static constexpr at::ScalarType DTYPE = at::kFloat;
+  static constexpr int PER_UNIT = 1;
+  static __m512 madd(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), acc);
+  }
+  static void store(T* y, __m512 v) { _mm512_storeu_ps(y, v); }
+};
+
+const uint32_t* packed_bytes(const at::Tensor& weight) {
+  return static_cast<const uint32_t*>(at::native::data_ptr_from_mkldnn(weight));
 }
 
-// The width of the blocked layout oneDNN packed bfloat16 weight [N, K] in (0: another, or not
-// such a weight), settled by the first weight of each shape whose values fit one layout only, as
-// oneDNN lays out every weight of one shape alike.
+// The width of the blocked layout oneDNN packed weight [N, K] in, bfloat16 or float32 (0:
+// another, or not such a weight), settled by the first weight of each shape and dtype whose
+// values fit one layout only, as oneDNN lays out every weight of one shape alike.
 int64_t packed_width(const at::Tensor& weight) {
   if (at::native::data_ptr_from_mkldnn == nullptr || at::native::nbytes_from_mkldnn == nullptr ||
-      !weight.is_mkldnn() || weight.dim() != 2 || weight.scalar_type() != at::kBFloat16) {
+      !weight.is_mkldnn() || weight.dim() != 2) {
     return 0;
   }
+  const at::ScalarType dtype = weight.scalar_type();
+#if defined(__AVX512BF16__)
+  const bool readable = dtype == at::kBFloat16 || dtype == at::kFloat;
+#else
+  const bool readable = dtype == at::kFloat;
+#endif
+  const int64_t per_unit = dtype == at::kBFloat16 ? 2 : 1;
   const int64_t N = weight.size(0), K = weight.size(1);
-  if (N % 32 != 0 || K % 2 != 0 || at::native::nbytes_from_mkldnn(weight) != N * K * 2) {
+  if (!readable || N % 32 != 0 || K % per_unit != 0 ||
+      at::native::nbytes_from_mkldnn(weight) != N * K * weight.element_size()) {
     return 0;
   }
   static std::mutex mutex;
-  static std::map<std::pair<int64_t, int64_t>, int64_t> known;
+  static std::map<std::tuple<int64_t, int64_t, at::ScalarType>, int64_t> known;
   std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({N, K});
+  const auto found = known.find({N, K, dtype});
   if (found != known.end()) return found->second;
   const at::Tensor dense = weight.to_dense();
   const auto [width, settled] =
-      stored_block_width(reinterpret_cast<const uint32_t*>(dense.data_ptr<c10::BFloat16>()),
-                         reinterpret_cast<const uint32_t*>(packed_bytes(weight)), N, K / 2);
-  if (settled) known.emplace(std::make_pair(N, K), width);
+      stored_block_width(static_cast<const uint32_t*>(dense.data_ptr()), packed_bytes(weight), N,
+                         K / per_unit);
+  if (settled) known.emplace(std::make_tuple(N, K, dtype), width);
   return width;
 }
 
-// Output channels [block * W, (block + B) * W) of M rows: for each pair of inputs, the pair of
-// each row broadcast and dotted with the next W channels' pairs (W / 16 vectors per block), so
-// the weight streams through once, in its stored order; one row also prefetches each block's
-// stream PREFETCH_BYTES * W / 64 ahead, and a tile that reads its blocks from cache asks for
-// `prefetch_step` bytes of `prefetch` per pair (past a weight's end a prefetch reads nothing, and
-// never faults). Each channel's sum runs over the pairs in the same order at either width.
-template <int W, int M, int B>
-void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
-                 const c10::BFloat16* bias, c10::BFloat16* y, int64_t y_stride,
+// Output channels [block * W, (block + B) * W) of M rows, x and w read as 32-bit units (A): for
+// each unit of input, the unit of each row broadcast and multiplied into the next W channels'
+// units (W / 16 vectors per block), so the weight streams through once, in its stored order; one
+// row also prefetches each block's stream PREFETCH_BYTES * W / 64 ahead, and a tile that reads
+// its blocks from cache asks for `prefetch_step` bytes of `prefetch` per unit (past a weight's
+// end a prefetch reads nothing, and never faults). Each channel's sum runs over the units in the
+// same order at either width.
+template <typename A, int W, int M, int B>
+void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t units,
+                 const typename A::T* bias, typename A::T* y, int64_t y_stride,
                  const char* prefetch = nullptr, int64_t prefetch_step = 0) {
   constexpr int V = W / 16;
   __m512 acc[M][B][V];
   for (int m = 0; m < M; ++m)
     for (int b = 0; b < B; ++b)
       for (int i = 0; i < V; ++i) acc[m][b][i] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    __m512bh xs[M];
-    for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_set1_epi32(x[m * x_stride + kp]);
+  for (int64_t u = 0; u < units; ++u) {
+    __m512i xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_set1_epi32(x[m * x_stride + u]);
     for (int64_t off = 0; off < prefetch_step; off += 64) {
-      _mm_prefetch(prefetch + kp * prefetch_step + off, _MM_HINT_T1);
+      _mm_prefetch(prefetch + u * prefetch_step + off, _MM_HINT_T1);
     }
     for (int b = 0; b < B; ++b) {
-      const uint16_t* line = w + (b * pairs + kp) * W * 2;
+      const uint32_t* line = w + (b * units + u) * W;
       if constexpr (M == 1) {
         const char* ahead = reinterpret_cast<const char*>(line) + PREFETCH_BYTES * W / 64;
         for (int i = 0; i < V; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
       }
       for (int i = 0; i < V; ++i) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(line + 32 * i);
-        for (int m = 0; m < M; ++m) acc[m][b][i] = _mm512_dpbf16_ps(acc[m][b][i], xs[m], wv);
+        const __m512i wv = _mm512_loadu_si512(line + 16 * i);
+        for (int m = 0; m < M; ++m) acc[m][b][i] = A::madd(acc[m][b][i], xs[m], wv);
       }
     }
   }
@@ -185,84 +227,82 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint16_t* w, int64_t
       const int64_t col = b * W + 16 * i;
       const __m512 add =
           bias != nullptr ? ember_vec::load_as_m512(bias + col) : _mm512_setzero_ps();
-      for (int m = 0; m < M; ++m) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * y_stride + col),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b][i], add)));
-      }
+      for (int m = 0; m < M; ++m) A::store(y + m * y_stride + col, _mm512_add_ps(acc[m][b][i], add));
     }
   }
 }
 
 // Blocks [begin, end) of M rows, G blocks at a time and the rest one at a time.
-template <int W, int M, int G>
+template <typename A, int W, int M, int G>
 void blocks_by(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
-               const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+               const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
                int64_t y_stride) {
   int64_t block = begin;
   for (; block + G <= end; block += G) {
-    gemv_blocks<W, M, G>(x, x_stride, w + block * W * K, K, bias ? bias + block * W : nullptr,
-                         y + block * W, y_stride);
+    gemv_blocks<A, W, M, G>(x, x_stride, w + block * W * units, units,
+                            bias ? bias + block * W : nullptr, y + block * W, y_stride);
   }
   for (; block < end; ++block) {
-    gemv_blocks<W, M, 1>(x, x_stride, w + block * W * K, K, bias ? bias + block * W : nullptr,
-                         y + block * W, y_stride);
+    gemv_blocks<A, W, M, 1>(x, x_stride, w + block * W * units, units,
+                            bias ? bias + block * W : nullptr, y + block * W, y_stride);
   }
 }
 
 // Blocks [begin, end) of up to 4 rows: 256 channels at a time for one row, 128 for two (more
 // streams in flight; the accumulators of more rows fill the registers), 64 above.
-template <int W, int M>
+template <typename A, int W, int M>
 void gemv_range(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
-                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
                 int64_t y_stride) {
   constexpr int G = (M == 1 ? 4 : M == 2 ? 2 : 1) * 64 / W;
-  blocks_by<W, M, G>(begin, end, x, x_stride, w, K, bias, y, y_stride);
+  blocks_by<A, W, M, G>(begin, end, x, x_stride, w, units, bias, y, y_stride);
 }
 
 // One tile of rows over the blocks [group, group_end) of one group: a whole group in one pass
 // (asking for `prefetch`'s bytes on the way), a ragged last group a block at a time.
-template <int W, int M, int G>
+template <typename A, int W, int M, int G>
 void group_tile(int64_t group, int64_t group_end, const uint32_t* x, int64_t x_stride,
-                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
                 int64_t y_stride, const char* prefetch, int64_t prefetch_step) {
   if (group_end - group < G) {
-    blocks_by<W, M, G>(group, group_end, x, x_stride, w, K, bias, y, y_stride);
+    blocks_by<A, W, M, G>(group, group_end, x, x_stride, w, units, bias, y, y_stride);
     return;
   }
-  gemv_blocks<W, M, G>(x, x_stride, w + group * W * K, K, bias ? bias + group * W : nullptr,
-                       y + group * W, y_stride, prefetch, prefetch_step);
+  gemv_blocks<A, W, M, G>(x, x_stride, w + group * W * units, units,
+                          bias ? bias + group * W : nullptr, y + group * W, y_stride, prefetch,
+                          prefetch_step);
 }
 
 // Blocks [begin, end) for any number of rows: each 64 channels' rows in tiles of at most
 // ROW_TILE (what the registers hold beside the four weight vectors), so the first tile streams
 // the weights in from memory and the others read them again from cache.
-template <int W, int ROW_TILE>
+template <typename A, int W, int ROW_TILE>
 void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int64_t x_stride,
-                const uint16_t* w, int64_t K, const c10::BFloat16* bias, c10::BFloat16* y,
+                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
                 int64_t y_stride) {
   constexpr int G = 64 / W;
   const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-  const int64_t pairs = K / 2;
   // The whole tiles after the first read the group from cache; meanwhile each asks for the next
-  // group's bytes in L2, a line per input pair (a quarter of the group), so that at a decode
+  // group's bytes in L2, a line per unit of input (a quarter of the group), so that at a decode
   // batch's rows no tile waits on memory. A ragged tile is already bound by cache reads.
-  const int64_t group_bytes = int64_t{64} * K * 2;
+  const int64_t group_bytes = int64_t{64} * units * 4;
   constexpr int64_t step = 64;
   for (int64_t group = begin; group < end; group += G) {
     const int64_t group_end = std::min<int64_t>(group + G, end);
-    const char* next = reinterpret_cast<const char*>(w + group_end * W * K);
+    const char* next = reinterpret_cast<const char*>(w + group_end * W * units);
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t row = tile * ROW_TILE;
       const uint32_t* xr = x + row * x_stride;
-      c10::BFloat16* yr = y + row * y_stride;
-      const int64_t from = (tile - 1) * pairs * step;
+      typename A::T* yr = y + row * y_stride;
+      const int64_t from = (tile - 1) * units * step;
       const bool ahead =
           tile > 0 && rows - row >= ROW_TILE && group_end < end && from < group_bytes;
       const char* pf = ahead ? next + from : nullptr;
       const int64_t pf_step = ahead ? step : 0;
       switch (std::min<int64_t>(ROW_TILE, rows - row)) {
-#define EMBER_ROW_TILE(R)                                                               \
-  group_tile<W, R, G>(group, group_end, xr, x_stride, w, K, bias, yr, y_stride, pf, pf_step); \
+#define EMBER_ROW_TILE(R)                                                                       \
+  group_tile<A, W, R, G>(group, group_end, xr, x_stride, w, units, bias, yr, y_stride, pf, \
+                         pf_step);                                                              \
   break;
         case 1: EMBER_ROW_TILE(1)
         case 2: EMBER_ROW_TILE(2)
@@ -277,56 +317,59 @@ void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int
 }
 
 // y [M, N] = x [M, K] w^T + bias for w in the blocked layout of width W.
-template <int W>
-at::Tensor blocked_gemv(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K,
-                        const c10::BFloat16* b) {
-  const int64_t M = x.size(0);
+template <typename A, int W>
+at::Tensor blocked_gemv(const at::Tensor& x, const uint32_t* w, int64_t N, int64_t K,
+                        const typename A::T* b) {
+  const int64_t M = x.size(0), units = K / A::PER_UNIT;
   at::Tensor y = at::empty({M, N}, x.options());
-  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
-  const int64_t x_stride = x.stride(0) / 2;
-  auto* out = y.data_ptr<c10::BFloat16>();
+  const auto* xs = static_cast<const uint32_t*>(x.data_ptr());
+  const int64_t x_stride = x.stride(0) / A::PER_UNIT;
+  auto* out = static_cast<typename A::T*>(y.data_ptr());
   // Equal shares of blocks, so both threads finish together (the head's 2,374 blocks of 64, a
   // down projection's 14).
   at::parallel_for(0, N / W, 1, [&](int64_t begin, int64_t end) {
     switch (M) {
-      case 1: gemv_range<W, 1>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 2: gemv_range<W, 2>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 3: gemv_range<W, 3>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      case 4: gemv_range<W, 4>(begin, end, xs, x_stride, w, K, b, out, N); break;
-      default: gemm_range<W, GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, K, b, out, N); break;
+      case 1: gemv_range<A, W, 1>(begin, end, xs, x_stride, w, units, b, out, N); break;
+      case 2: gemv_range<A, W, 2>(begin, end, xs, x_stride, w, units, b, out, N); break;
+      case 3: gemv_range<A, W, 3>(begin, end, xs, x_stride, w, units, b, out, N); break;
+      case 4: gemv_range<A, W, 4>(begin, end, xs, x_stride, w, units, b, out, N); break;
+      default:
+        gemm_range<A, W, GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, units, b, out, N);
+        break;
     }
   });
   return y;
 }
 
-at::Tensor blocked_gemv(const at::Tensor& x, const uint16_t* w, int64_t width, int64_t N,
+template <typename A>
+at::Tensor blocked_gemv(const at::Tensor& x, const uint32_t* w, int64_t width, int64_t N,
                         int64_t K, const at::Tensor& bias) {
-  const c10::BFloat16* b = bias.defined() ? bias.data_ptr<c10::BFloat16>() : nullptr;
-  return width == 64 ? blocked_gemv<64>(x, w, N, K, b) : blocked_gemv<32>(x, w, N, K, b);
+  const auto* b = bias.defined() ? static_cast<const typename A::T*>(bias.data_ptr()) : nullptr;
+  return width == 64 ? blocked_gemv<A, 64>(x, w, N, K, b) : blocked_gemv<A, 32>(x, w, N, K, b);
 }
 
-// Whether x [M, K] can be read as rows of 32-bit input pairs, and bias fits N outputs.
+// Whether x [M, K] can be read as rows of 32-bit units of A's dtype, and bias fits N outputs.
+template <typename A>
 bool rows_fit(const at::Tensor& x, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
-  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
-         x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
-         reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
-         (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == N));
+  return x.scalar_type() == A::DTYPE && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1 &&
+         x.stride(0) % A::PER_UNIT == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 &&
+         (!bias ||
+          (bias->scalar_type() == A::DTYPE && bias->is_contiguous() && bias->numel() == N));
 }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
 
 }  // namespace
 
-void set_packed_gemv_max_rows(int64_t rows) {
+void set_packed_gemv_max_rows(int64_t rows, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(rows >= 0, "rows: the kernel's largest step must be >= 0, got ", rows);
-  max_rows.store(rows);
+  max_rows(dtype).store(rows);
 }
 
-int64_t packed_gemv_max_rows() { return max_rows.load(); }
+int64_t packed_gemv_max_rows(at::ScalarType dtype) { return max_rows(dtype).load(); }
 
 int64_t packed_block_width(const at::Tensor& weight) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   return packed_width(weight);
 #else
   (void)weight;
@@ -350,10 +393,17 @@ int64_t block_width_of(const at::Tensor& weight, const at::Tensor& stored) {
 
 bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512F__)
+  const at::ScalarType dtype = x.scalar_type();
+  if (!weight.is_mkldnn() || x.dim() != 2 || x.size(0) < 1 || weight.dim() != 2 ||
+      (dtype != at::kBFloat16 && dtype != at::kFloat) || x.size(0) > max_rows(dtype).load()) {
+    return false;
+  }
+  const int64_t N = weight.size(0), K = weight.size(1);
 #if defined(__AVX512BF16__)
-  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) >= 1 &&
-         x.size(0) <= max_rows.load() && weight.dim() == 2 &&
-         rows_fit(x, weight.size(0), weight.size(1), bias) && packed_width(weight) != 0;
+  if (rows_fit<Bf16Pairs>(x, N, K, bias)) return packed_width(weight) != 0;
+#endif
+  return rows_fit<Fp32>(x, N, K, bias) && packed_width(weight) != 0;
 #else
   (void)x, (void)weight, (void)bias;
   return false;
@@ -363,10 +413,10 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
-  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) > max_rows.load() &&
+  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) > max_rows_bf16.load() &&
          x.size(0) <= amx_max_rows.load() && weight.dim() == 2 &&
          weight.size(1) % AMX_GEMM_DEPTH == 0 &&
-         rows_fit(x, weight.size(0), weight.size(1), bias) && amx_tiles_ready() &&
+         rows_fit<Bf16Pairs>(x, weight.size(0), weight.size(1), bias) && amx_tiles_ready() &&
          packed_width(weight) == AMX_GEMM_WIDTH;
 #else
   (void)x, (void)weight, (void)bias;
@@ -384,15 +434,25 @@ int64_t amx_gemm_max_rows() { return amx_max_rows.load(); }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if (packed_gemv_applies(x, weight, bias)) {
-    return blocked_gemv(x, packed_bytes(weight), packed_width(weight), weight.size(0),
-                        weight.size(1), bias ? *bias : at::Tensor());
+    const at::Tensor b = bias ? *bias : at::Tensor();
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16) {
+      return blocked_gemv<Bf16Pairs>(x, packed_bytes(weight), packed_width(weight),
+                                     weight.size(0), weight.size(1), b);
+    }
+#endif
+    return blocked_gemv<Fp32>(x, packed_bytes(weight), packed_width(weight), weight.size(0),
+                              weight.size(1), b);
   }
+#endif
+#if defined(__AVX512BF16__)
   if (amx_gemm_applies(x, weight, bias)) {
     const int64_t N = weight.size(0);
     at::Tensor y = at::empty({x.size(0), N}, x.options());
-    amx_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), packed_bytes(weight), N,
+    amx_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0),
+             reinterpret_cast<const uint16_t*>(packed_bytes(weight)), N,
              weight.size(1), bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
              y.data_ptr<c10::BFloat16>(), N);
     return y;
@@ -409,11 +469,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight,
                         (weight.size(2) == 64 || weight.size(2) == 32),
                     "weight: a contiguous bfloat16 [out / W, in / 2, W, 2] tensor, W 64 or 32");
   const int64_t width = weight.size(2), N = weight.size(0) * width, K = weight.size(1) * 2;
-  TORCH_CHECK_VALUE(x.dim() == 2 && rows_fit(x, N, K, std::nullopt),
+  TORCH_CHECK_VALUE(x.dim() == 2 && rows_fit<Bf16Pairs>(x, N, K, std::nullopt),
                     "x: bfloat16 [rows, ", K, "] rows of whole input pairs");
-  TORCH_CHECK_VALUE(!bias || rows_fit(x, N, K, bias), "bias: a contiguous bfloat16 [", N, "]");
-  return blocked_gemv(x, reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
-                      width, N, K, bias ? *bias : at::Tensor());
+  TORCH_CHECK_VALUE(!bias || rows_fit<Bf16Pairs>(x, N, K, bias),
+                    "bias: a contiguous bfloat16 [", N, "]");
+  return blocked_gemv<Bf16Pairs>(x, static_cast<const uint32_t*>(weight.data_ptr()), width, N, K,
+                                 bias ? *bias : at::Tensor());
 #else
   (void)x, (void)weight, (void)bias;
   TORCH_CHECK(false, "blocked_linear needs a CPU with AVX512-BF16");
