@@ -47,6 +47,7 @@ SOURCES = [
         "moe.cpp",
         "w8a8_linear.cpp",
         "decoder_stack.cpp",
+        "packed_layout.cpp",
         "packed_gemv.cpp",
         "amx_gemm.cpp",
         "bindings.cpp",
@@ -62,6 +63,7 @@ HEADERS = [
         "attend_columns.h",
         "int8_gemv.h",
         "amx_gemm.h",
+        "packed_layout.h",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -44,7 +44,7 @@ void check_int8_scales(const at::Tensor& weight, const at::Tensor& scales);
 // y = x W^T + bias for a weight packed for oneDNN (ember_kernels.packed_linear): bfloat16 and
 // float32 steps of up to packed_gemv_max_rows(dtype) rows (a decode batch) stream the packed
 // weight through AVX512-BF16 dot products or AVX-512 multiply-adds where the CPU has them and
-// oneDNN's layout is one of the two blocked ones the kernel reads (packed_gemv.cpp); with AMX,
+// oneDNN's layout is one of the two blocked ones the kernel reads (packed_layout.cpp); with AMX,
 // bfloat16 steps above that and up to amx_gemm_max_rows() stream it into AMX tiles
 // (amx_gemm.cpp); larger ones (prefill) run oneDNN's matmul. Summed in float32 and rounded once
 // to x's dtype on every path.

@@ -1,23 +1,22 @@
 // y = x W^T (+ b) on a weight packed for oneDNN (ember_kernels.packed_linear), and Ember's own
-// path for the rows of a decode step in bfloat16: a step of one token reads every weight once,
-// so it runs at the speed memory streams the weight in. oneDNN's matmul reached 0.5-0.8 of a
-// summing loop's read bandwidth at one row, and below its large-batch rate at 8-32 rows
-// (benchmarks/bench_packed_gemv.py); here each thread streams its equal share of blocks one after
-// another, straight from the packed bytes (no second copy), with AVX512-BF16 dot products into
-// float32, a block's rows in register tiles while its weights are in cache.
+// path for the rows of a decode step in bfloat16 or float32: a step of one token reads every
+// weight once, so it runs at the speed memory streams the weight in. oneDNN's matmul reached
+// 0.5-0.8 of a summing loop's read bandwidth at one row, and below its large-batch rate at 8-32
+// rows (benchmarks/bench_packed_gemv.py); here each thread streams its equal share of blocks one
+// after another, straight from the packed bytes (no second copy), with AVX512-BF16 dot products
+// (bfloat16) or AVX-512 multiply-adds (float32) into float32, a block's rows in register tiles
+// while its weights are in cache.
 //
-// The packed layout is oneDNN's choice, opaque to torch: blocks of W output channels, each
-// holding pairs of inputs for its W channels in turn ([N / W][K / 2][W][2]), with W = 64 where
-// oneDNN runs AVX512-BF16 and W = 32 where it runs AMX tiles. The kernels take W as a template
-// parameter. Which width a weight's bytes are in, if either, is checked byte for byte against the
-// weight's own values (to_dense) for the first weight of each shape: oneDNN picks a layout from
-// the shape, dtype and CPU, never the values. Any other layout, CPU or dtype runs oneDNN's matmul.
+// The packed layout is oneDNN's choice, blocks of W output channels holding each 32-bit unit of
+// input (a pair of bfloat16, or one float32) for its W channels in turn; packed_layout.cpp says
+// which W (64 or 32) a weight's bytes are in, if either. The kernels take W as a template
+// parameter. Any other layout, CPU or dtype runs oneDNN's matmul.
 //
-// The most rows the kernel takes is told at load by ember_kernels.cpu_features (the choice's one
-// owner): streaming wins while a step is bound by the weight's bytes, but AVX512-BF16 dot
-// products at 32 rows are bound by arithmetic, which AMX tiles do several times faster, so on a
-// CPU with AMX the steps above a few rows run AMX tiles on the same packed bytes (amx_gemm.cpp),
-// up to a decode batch, and oneDNN's matmul above.
+// The most rows the kernel takes per dtype is told at load by ember_kernels.cpu_features (the
+// choice's one owner): streaming wins while a step is bound by the weight's bytes, but
+// AVX512-BF16 dot products at 32 rows are bound by arithmetic, which AMX tiles do several times
+// faster, so on a CPU with AMX the bfloat16 steps above a few rows run AMX tiles on the same
+// packed bytes (amx_gemm.cpp), up to a decode batch, and oneDNN's matmul above.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,25 +26,17 @@
 #include <c10/util/Exception.h>
 
 #include "amx_gemm.h"
-#include "bf16_dot.h"
 #include "kernels.h"
+#include "packed_layout.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <map>
-#include <tuple>
-#include <mutex>
-#include <utility>
+#include <immintrin.h>
 
-// The bytes behind an opaque oneDNN tensor (exported by libtorch_cpu; weak, so a torch without
-// them builds and runs oneDNN's matmul).
-namespace at::native {
-TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribute__((weak));
-TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribute__((weak));
-}  // namespace at::native
+using ember_packed::packed_bytes;
+using ember_packed::packed_width;
 
 namespace {
 
@@ -80,49 +71,6 @@ at::Tensor onednn_matmul(const at::Tensor& x, const at::Tensor& weight,
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
-// Whether `stored` holds the values of `plain` [N][pairs] (pairs of bfloat16 as 32 bits) in the
-// blocked layout of width `width` (0: plain's own layout), compared in the stored order, blocks
-// split between the threads (the LM head's check is a first decode step's cost).
-bool bytes_are_blocked(const uint32_t* plain, const uint32_t* stored, int64_t N, int64_t pairs,
-                       int64_t width) {
-  if (width == 0) return std::memcmp(plain, stored, N * pairs * 4) == 0;
-  if (N % width != 0) return false;
-  std::atomic<bool> same{true};
-  at::parallel_for(0, N / width, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end && same.load(std::memory_order_relaxed); ++block) {
-      const uint32_t* packed = stored + block * pairs * width;
-      const uint32_t* rows = plain + block * width * pairs;
-      bool equal = true;
-      for (int64_t kp = 0; kp < pairs && equal; ++kp) {
-        for (int64_t lane = 0; lane < width; ++lane) {
-          equal &= packed[kp * width + lane] == rows[lane * pairs + kp];
-        }
-      }
-      if (!equal) same.store(false, std::memory_order_relaxed);
-    }
-  });
-  return same.load();
-}
-
-// The layouts a weight's bytes are compared with: the two the kernels read, and two decoys, so
-// that a weight whose values fit several (all equal, say) settles nothing.
-constexpr int64_t LAYOUT_WIDTHS[] = {64, 32, 16, 0};
-
-// Which of the kernels' widths (64 or 32) `stored` holds `plain`'s values in (0: another layout),
-// and whether that settles the layout of their shape: not where the values fit more than one of
-// LAYOUT_WIDTHS (reading this weight at the width found is right all the same).
-std::pair<int64_t, bool> stored_block_width(const uint32_t* plain, const uint32_t* stored,
-                                            int64_t N, int64_t pairs) {
-  int64_t readable = 0, matches = 0;
-  for (const int64_t width : LAYOUT_WIDTHS) {
-    if (bytes_are_blocked(plain, stored, N, pairs, width)) {
-      ++matches;
-      if (readable == 0 && (width == 64 || width == 32)) readable = width;
-    }
-  }
-  return {readable, matches <= 1};
-}
-
 #if defined(__AVX512F__)
 
 // How a step multiplies: both read x and the weight as 32-bit units, a pair of bfloat16 (dotted
@@ -150,43 +98,6 @@ struct Fp32 {
   }
   static void store(T* y, __m512 v) { _mm512_storeu_ps(y, v); }
 };
-
-const uint32_t* packed_bytes(const at::Tensor& weight) {
-  return static_cast<const uint32_t*>(at::native::data_ptr_from_mkldnn(weight));
-}
-
-// The width of the blocked layout oneDNN packed weight [N, K] in, bfloat16 or float32 (0:
-// another, or not such a weight), settled by the first weight of each shape and dtype whose
-// values fit one layout only, as oneDNN lays out every weight of one shape alike.
-int64_t packed_width(const at::Tensor& weight) {
-  if (at::native::data_ptr_from_mkldnn == nullptr || at::native::nbytes_from_mkldnn == nullptr ||
-      !weight.is_mkldnn() || weight.dim() != 2) {
-    return 0;
-  }
-  const at::ScalarType dtype = weight.scalar_type();
-#if defined(__AVX512BF16__)
-  const bool readable = dtype == at::kBFloat16 || dtype == at::kFloat;
-#else
-  const bool readable = dtype == at::kFloat;
-#endif
-  const int64_t per_unit = dtype == at::kBFloat16 ? 2 : 1;
-  const int64_t N = weight.size(0), K = weight.size(1);
-  if (!readable || N % 32 != 0 || K % per_unit != 0 ||
-      at::native::nbytes_from_mkldnn(weight) != N * K * weight.element_size()) {
-    return 0;
-  }
-  static std::mutex mutex;
-  static std::map<std::tuple<int64_t, int64_t, at::ScalarType>, int64_t> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({N, K, dtype});
-  if (found != known.end()) return found->second;
-  const at::Tensor dense = weight.to_dense();
-  const auto [width, settled] =
-      stored_block_width(static_cast<const uint32_t*>(dense.data_ptr()), packed_bytes(weight), N,
-                         K / per_unit);
-  if (settled) known.emplace(std::make_tuple(N, K, dtype), width);
-  return width;
-}
 
 // Output channels [block * W, (block + B) * W) of M rows, x and w read as 32-bit units (A): for
 // each unit of input, the unit of each row broadcast and multiplied into the next W channels'
@@ -367,29 +278,6 @@ void set_packed_gemv_max_rows(int64_t rows, at::ScalarType dtype) {
 }
 
 int64_t packed_gemv_max_rows(at::ScalarType dtype) { return max_rows(dtype).load(); }
-
-int64_t packed_block_width(const at::Tensor& weight) {
-#if defined(__AVX512F__)
-  return packed_width(weight);
-#else
-  (void)weight;
-  return 0;
-#endif
-}
-
-int64_t block_width_of(const at::Tensor& weight, const at::Tensor& stored) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                        weight.is_contiguous() && weight.size(1) % 2 == 0,
-                    "weight: a contiguous bfloat16 [out, in] tensor with even in");
-  TORCH_CHECK_VALUE(stored.scalar_type() == at::kBFloat16 && stored.is_contiguous() &&
-                        stored.numel() == weight.numel(),
-                    "stored: a contiguous bfloat16 tensor of weight's size");
-  const auto [width, settled] =
-      stored_block_width(reinterpret_cast<const uint32_t*>(weight.data_ptr<c10::BFloat16>()),
-                         reinterpret_cast<const uint32_t*>(stored.data_ptr<c10::BFloat16>()),
-                         weight.size(0), weight.size(1) / 2);
-  return settled ? width : 0;
-}
 
 bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
