@@ -10,6 +10,7 @@ wrong ``num_computed_tokens`` therefore changes the outputs (and trips an assert
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import Future
 
 import numpy as np
@@ -17,10 +18,12 @@ import numpy as np
 from ember_kv_cache import KVConnectorOutput, TieredKVStore
 from ember_scheduler import (
     DRAFT_PLACEHOLDER,
+    EngineCore,
     Logprobs,
     ModelRunnerOutput,
     Request,
     SamplingParams,
+    SchedulerConfig,
     SchedulerOutput,
 )
 
@@ -366,3 +369,28 @@ def run_to_completion(engine, max_steps: int = 100_000) -> tuple[dict[str, Colle
         stats.append(outputs.scheduler_stats)
         collect(outputs, results)
     raise AssertionError(f"not done after {max_steps} steps")
+
+
+def engine_with_fake_executor(num_blocks=64, block_size=4, num_spec_tokens=0, **config):
+    """An ``EngineCore`` over a fresh ``FakeExecutor`` (``max_model_len`` 256 unless given), and
+    the executor."""
+    config.setdefault("max_model_len", 256)
+    executor = FakeExecutor(num_blocks, block_size, num_spec_tokens=num_spec_tokens)
+    return EngineCore(executor, SchedulerConfig(**config)), executor
+
+
+def random_prompts(count, seed=0, max_len=40):
+    """``count`` prompts of 1 to ``max_len`` - 1 tokens, by request id."""
+    rng = random.Random(seed)
+    return {
+        f"r{i}": [rng.randrange(1, 97) for _ in range(rng.randrange(1, max_len))]
+        for i in range(count)
+    }
+
+
+def assert_all_free(engine):
+    """Every KV block back in the pool and no request left in the scheduler."""
+    kv = engine.kv_cache_manager
+    assert kv.usage == 0.0
+    assert kv.num_free_blocks == engine.scheduler.num_kv_blocks
+    assert not engine.scheduler.requests and not engine.scheduler.running
