@@ -69,6 +69,19 @@ def test_one_row_gives_the_bits_it_gives_beside_others():
         assert torch.equal(cpu_ops.packed_linear(x[:rows], packed, b), batch[:rows]), f"seed {seed}"
 
 
+def test_a_weight_of_another_dtype_than_x_never_runs_the_kernel():
+    """The kernel reads x and the weight as one dtype's units: a float32 x on a bfloat16 weight,
+    or the other way round, is left to oneDNN's matmul, never read as the other's bytes."""
+    gen, _ = fresh_generator()
+    weight = torch.randn(128, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    packed_f32 = pack_linear_weight(weight)
+    assert not cpu_ops.packed_gemv_applies(x.bfloat16(), packed_f32)
+    assert not cpu_ops.amx_gemm_applies(x.bfloat16(), packed_f32)
+    if cpu_features.has_bf16_arithmetic():
+        assert not cpu_ops.packed_gemv_applies(x, pack_linear_weight(weight.bfloat16()))
+
+
 def test_each_dtype_has_its_own_row_cap():
     """The compiled kernels hold the float32 cap apart from bfloat16's (which AMX tiles lower);
     a step above it runs oneDNN's matmul on the same packed weight; other dtypes are refused."""

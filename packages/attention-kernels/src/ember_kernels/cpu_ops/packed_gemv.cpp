@@ -284,7 +284,8 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 #if defined(__AVX512F__)
   const at::ScalarType dtype = x.scalar_type();
   if (!weight.is_mkldnn() || x.dim() != 2 || x.size(0) < 1 || weight.dim() != 2 ||
-      (dtype != at::kBFloat16 && dtype != at::kFloat) || x.size(0) > max_rows(dtype).load()) {
+      weight.scalar_type() != dtype || (dtype != at::kBFloat16 && dtype != at::kFloat) ||
+      x.size(0) > max_rows(dtype).load()) {
     return false;
   }
   const int64_t N = weight.size(0), K = weight.size(1);
@@ -301,8 +302,9 @@ bool packed_gemv_applies(const at::Tensor& x, const at::Tensor& weight,
 bool amx_gemm_applies(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
-  return weight.is_mkldnn() && x.dim() == 2 && x.size(0) > max_rows_bf16.load() &&
-         x.size(0) <= amx_max_rows.load() && weight.dim() == 2 &&
+  return weight.is_mkldnn() && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+         x.size(0) > max_rows_bf16.load() && x.size(0) <= amx_max_rows.load() &&
+         weight.dim() == 2 &&
          weight.size(1) % AMX_GEMM_DEPTH == 0 &&
          rows_fit<Bf16Pairs>(x, weight.size(0), weight.size(1), bias) && amx_tiles_ready() &&
          packed_width(weight) == AMX_GEMM_WIDTH;
