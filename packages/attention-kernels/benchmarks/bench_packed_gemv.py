@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> None:
                 wins[m].append(ratio if width else 0.0)
                 if args.amx:
                     amx_wins[m].append(best["AMX"] / best["oneDNN"] if width == 32 else 0.0)
-                # int8's time over Ember's, from the bytes each read: 0.5 where int8 streams as fast
-                int8_time = (
-                    (n * k + 4 * n * k // weight_group_size(k)) / best["int8"] if args.int8 else 0
-                )
                 size = args.dtype.itemsize
-                flop_per_byte = 2 * m / size
+                int8_column = ""
+                if args.int8:  # time over Ember's, from the bytes each read: 0.5 if as fast
+                    int8_time = (n * k + 4 * n * k // weight_group_size(k)) / best["int8"]
+                    over_ember = int8_time * best["Ember"] / (size * n * k)
+                    int8_column = f"  int8 time / Ember time {over_ember:4.2f}"
                 print(
                     f"  rows {m:2}  sum {read / 1e9:5.1f}  triad {triad_bw / 1e9:5.1f}  "
                     + "  ".join(
@@ -196,13 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                         for kernel, v in gbs.items()
                     )
                     + "  GFLOP/s "
-                    + " ".join(f"{kernel} {flop_per_byte * v:6.1f}" for kernel, v in gbs.items())
+                    + " ".join(f"{kernel} {2 * m / size * v:6.1f}" for kernel, v in gbs.items())
                     + f"  Ember / {' or '.join(others)} {ratio:4.2f}x  engine runs {engine}"
-                    + (
-                        f"  int8 time / Ember time {int8_time * best['Ember'] / (size * n * k):4.2f}"
-                        if args.int8
-                        else ""
-                    ),
+                    + int8_column,
                     flush=True,
                 )
     finally:

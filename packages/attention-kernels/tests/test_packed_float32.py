@@ -110,7 +110,7 @@ def test_each_dtype_has_its_own_row_cap():
         with pytest.raises(ValueError, match="dtype: "):
             cpu_ops.set_packed_gemv_max_rows(4, torch.float16)
     finally:
-        for dtype in cpu_ops.PACKED_GEMV_DTYPES:
+        for dtype in cpu_features.PACKED_GEMV_DTYPES:
             cpu_ops.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows(dtype), dtype)
     with pytest.raises(ValueError, match="dtype: "):
         cpu_features.packed_gemv_max_rows(torch.float16)

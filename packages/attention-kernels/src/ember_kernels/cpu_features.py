@@ -66,6 +66,7 @@ PACKED_GEMV_MAX_ROWS_WITH_AMX = 2
 # float32 tiles, so oneDNN's float32 matmul does the same arithmetic and streaming wins up to a
 # decode batch.
 PACKED_GEMV_MAX_ROWS_FLOAT32 = 32
+PACKED_GEMV_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes of the streaming kernel's steps
 # The most rows of a bfloat16 step that AMX tiles take from oneDNN's matmul above the streaming
 # kernel's cap (``cpu_ops/amx_gemm.cpp``: the packed weight streamed once into tiles): a decode
 # batch. Larger steps (prefill) run oneDNN's matmul, whose AMX kernels reuse each weight tile
@@ -79,10 +80,10 @@ def packed_gemv_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     kernel runs here (above it oneDNN's matmul): bfloat16 ``PACKED_GEMV_MAX_ROWS``, or
     ``PACKED_GEMV_MAX_ROWS_WITH_AMX`` on a CPU with AMX-BF16; float32
     ``PACKED_GEMV_MAX_ROWS_FLOAT32``."""
+    if dtype not in PACKED_GEMV_DTYPES:
+        raise ValueError(f"dtype: the streaming kernel runs {PACKED_GEMV_DTYPES}, got {dtype}")
     if dtype == torch.float32:
         return PACKED_GEMV_MAX_ROWS_FLOAT32
-    if dtype != torch.bfloat16:
-        raise ValueError(f"dtype: the streaming kernel runs bfloat16 or float32, got {dtype}")
     return PACKED_GEMV_MAX_ROWS_WITH_AMX if has_amx_bf16() else PACKED_GEMV_MAX_ROWS
 
 

@@ -26,7 +26,6 @@ from ember_kernels.cpu_ops.build import (
 from ember_kernels.validation import check_paged_attention_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PACKED_GEMV_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes of packed_linear's own kernel
 _told: list = [None]  # the library told this CPU's choices (packed_gemv_max_rows)
 _step = threading.local()  # .depth: one_step blocks open; .available: their answer once asked
 
@@ -82,7 +81,7 @@ def _library(*tensors: torch.Tensor):
     if library is None:
         raise RuntimeError("ember_kernels.cpu_ops: the compiled CPU kernels are unavailable here")
     if library is not _told[0]:  # first use: the kernels learn the row caps chosen for this CPU
-        for dtype in PACKED_GEMV_DTYPES:
+        for dtype in cpu_features.PACKED_GEMV_DTYPES:
             library.set_packed_gemv_max_rows(cpu_features.packed_gemv_max_rows(dtype), dtype)
         library.set_amx_gemm_max_rows(cpu_features.amx_gemm_max_rows())
         _told[0] = library

@@ -53,7 +53,7 @@ std::atomic<int64_t>& max_rows(at::ScalarType dtype) {
 }
 
 // How far ahead of each block's stream a one-row step asks for the weight in L2, in bytes of a
-// 64-wide block (the same number of input pairs ahead at either width): the hardware prefetchers
+// 64-wide block (the same number of input units ahead at either width): the hardware prefetchers
 // alone keep too few lines in flight for one core to stream at the memory's speed (the A/B is in
 // the package README).
 constexpr int64_t PREFETCH_BYTES = 1024;
@@ -138,7 +138,9 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t
       const int64_t col = b * W + 16 * i;
       const __m512 add =
           bias != nullptr ? ember_vec::load_as_m512(bias + col) : _mm512_setzero_ps();
-      for (int m = 0; m < M; ++m) A::store(y + m * y_stride + col, _mm512_add_ps(acc[m][b][i], add));
+      for (int m = 0; m < M; ++m) {
+        A::store(y + m * y_stride + col, _mm512_add_ps(acc[m][b][i], add));
+      }
     }
   }
 }
