@@ -31,22 +31,22 @@ TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor) __attribut
 
 namespace {
 
-// Whether `stored` holds the values of `plain` [N][pairs] (pairs of bfloat16 as 32 bits) in the
+// Whether `stored` holds the values of `plain` [N][units] (32-bit units: units of bfloat16, or float32) in the
 // blocked layout of width `width` (0: plain's own layout), compared in the stored order, blocks
 // split between the threads (the LM head's check is a first decode step's cost).
-bool bytes_are_blocked(const uint32_t* plain, const uint32_t* stored, int64_t N, int64_t pairs,
+bool bytes_are_blocked(const uint32_t* plain, const uint32_t* stored, int64_t N, int64_t units,
                        int64_t width) {
-  if (width == 0) return std::memcmp(plain, stored, N * pairs * 4) == 0;
+  if (width == 0) return std::memcmp(plain, stored, N * units * 4) == 0;
   if (N % width != 0) return false;
   std::atomic<bool> same{true};
   at::parallel_for(0, N / width, 1, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end && same.load(std::memory_order_relaxed); ++block) {
-      const uint32_t* packed = stored + block * pairs * width;
-      const uint32_t* rows = plain + block * width * pairs;
+      const uint32_t* packed = stored + block * units * width;
+      const uint32_t* rows = plain + block * width * units;
       bool equal = true;
-      for (int64_t kp = 0; kp < pairs && equal; ++kp) {
+      for (int64_t u = 0; u < units && equal; ++u) {
         for (int64_t lane = 0; lane < width; ++lane) {
-          equal &= packed[kp * width + lane] == rows[lane * pairs + kp];
+          equal &= packed[u * width + lane] == rows[lane * units + u];
         }
       }
       if (!equal) same.store(false, std::memory_order_relaxed);
@@ -63,10 +63,10 @@ constexpr int64_t LAYOUT_WIDTHS[] = {64, 32, 16, 0};
 // and whether that settles the layout of their shape: not where the values fit more than one of
 // LAYOUT_WIDTHS (reading this weight at the width found is right all the same).
 std::pair<int64_t, bool> stored_block_width(const uint32_t* plain, const uint32_t* stored,
-                                            int64_t N, int64_t pairs) {
+                                            int64_t N, int64_t units) {
   int64_t readable = 0, matches = 0;
   for (const int64_t width : LAYOUT_WIDTHS) {
-    if (bytes_are_blocked(plain, stored, N, pairs, width)) {
+    if (bytes_are_blocked(plain, stored, N, units, width)) {
       ++matches;
       if (readable == 0 && (width == 64 || width == 32)) readable = width;
     }
