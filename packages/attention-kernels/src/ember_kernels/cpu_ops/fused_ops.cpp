@@ -27,7 +27,7 @@ namespace {
 
 using namespace ember_vec;
 
-constexpr int64_t GRAIN_ELEMENTS = 1 << 15;  // elements per thread below which one thread runs
+constexpr int64_t GRAIN_ELEMENTS = 1 << 13;  // elements per thread below which one thread runs
 
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elements, const F& f) {
