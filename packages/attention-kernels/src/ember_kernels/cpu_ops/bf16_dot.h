@@ -1,7 +1,7 @@
 // Paged attention's decode inner loops on bfloat16 K/V read in place (see paged_attention.cpp):
 // the scores of bfloat16 queries against bfloat16 keys by AVX512-BF16 dot products (pairs of
-// bfloat16 products summed into float32 lanes), and the float32 probabilities times bfloat16
-// values converted in registers. Compiled only where the build target has AVX512-BF16 (the build
+// bfloat16 products summed into float32 lanes), and the probabilities, rounded to bfloat16,
+// dotted with two value rows at a time (bf16_pv). Compiled only where the build target has AVX512-BF16 (the build
 // is per CPU: see build.py); ``BF16_DOT`` (and the macro ``EMBER_BF16_DOT``) says whether it was.
 #pragma once
 
@@ -112,57 +112,97 @@ inline void bf16_dot_scores(const c10::BFloat16* q, int64_t M, int64_t D,
 }
 
 
-// o[r][:] += sum_j s[r][j] * v_j for R rows and n bfloat16 value rows (D a multiple of 16), each
-// value vector converted to float32 in registers: R rows by four vectors of head dims held over
-// the keys (a tail block repeats its last vector and stores it once more, unchanged).
-template <int R>
-inline void pv_rows(const float* s, int64_t s_stride, const c10::BFloat16* const* vr, int64_t n,
-                    float* o, int64_t D) {
-  for (int64_t d = 0; d < D; d += 64) {
-    int64_t off[4];
-    for (int i = 0; i < 4; ++i) off[i] = std::min<int64_t>(d + 16 * i, D - 16);
-    __m512 a[R][4];
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm512_loadu_ps(o + r * D + off[i]);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const c10::BFloat16* v = vr[j];
-      __m512 vd[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + off[i]));
-        vd[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 pr = _mm512_set1_ps(s[r * s_stride + j]);
-        for (int i = 0; i < 4; ++i) a[r][i] = _mm512_fmadd_ps(pr, vd[i], a[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + r * D + off[i], a[r][i]);
+// The PV product in pairs of keys: probabilities rounded to bfloat16 (as a GPU flash kernel
+// rounds them for its PV matmul; softmax sums stay float32) and dotted by AVX512-BF16 against
+// two value rows interleaved, so each instruction takes two keys' products for sixteen dims.
+// unpacklo/hi_epi16 interleave within 128-bit lanes: the sixteen float32 outputs of a 32-dim
+// block's low half hold dims [0-3, 8-11, 16-19, 24-27] of it, of its high half the other eight
+// of each sixteen. The accumulator ``o`` stays in that order over an item (the softmax only
+// scales it); pair_order_to_dims puts it back as it is stored.
+
+// Each row's n float32 probabilities (n <= 64) as bfloat16 pairs of consecutive keys, a pair per
+// 32-bit unit, an odd key count padded with a zero probability.
+inline void probability_pairs(const float* s, int64_t M, int64_t s_stride, int64_t n,
+                              uint32_t* pairs, int64_t pairs_stride) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* sr = s + r * s_stride;
+    for (int64_t j = 0; j < n; j += 32) {
+      const int64_t lo = std::min<int64_t>(16, n - j);
+      const int64_t hi = std::clamp<int64_t>(n - j - 16, 0, 16);
+      const __m512 a = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lo) - 1), sr + j);
+      const __m512 b = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << hi) - 1), sr + j + 16);
+      _mm512_storeu_si512(pairs + r * pairs_stride + j / 2, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
   }
 }
 
-// o [M][D] += s [M][n] . V for n bfloat16 value rows read in place, four rows at a time (each
-// value vector is loaded once per four rows).
-inline void bf16_pv(const float* s, int64_t M, int64_t s_stride,
-                    const c10::BFloat16* const* vr, int64_t n, float* o, int64_t D) {
-  for (int64_t r = 0; r < M; r += 4) {
-    const float* sr = s + r * s_stride;
-    float* orow = o + r * D;
-    switch (std::min<int64_t>(4, M - r)) {
-      case 4:
-        pv_rows<4>(sr, s_stride, vr, n, orow, D);
-        break;
-      case 3:
-        pv_rows<3>(sr, s_stride, vr, n, orow, D);
-        break;
-      case 2:
-        pv_rows<2>(sr, s_stride, vr, n, orow, D);
-        break;
-      default:
-        pv_rows<1>(sr, s_stride, vr, n, orow, D);
+// o[r][pair order] += sum over key pairs of (p_r,2k, p_r,2k+1) . (v_2k, v_2k+1) for R rows, one
+// 32-dim block of each value row at `d`, np key pairs (the second row of a last odd key repeats
+// the first: its probability is the zero padding).
+template <int R>
+inline void pv_pairs(const uint32_t* pairs, int64_t pairs_stride,
+                     const c10::BFloat16* const* vr, int64_t n, float* o, int64_t D, int64_t d) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_loadu_ps(o + r * D + d);
+    hi[r] = _mm512_loadu_ps(o + r * D + d + 16);
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    const __m512i a = _mm512_loadu_si512(vr[j] + d);
+    const __m512i b = _mm512_loadu_si512(vr[std::min(j + 1, n - 1)] + d);
+    const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+    const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pairs[r * pairs_stride + j / 2]);
+      lo[r] = _mm512_dpbf16_ps(lo[r], pr, vlo);
+      hi[r] = _mm512_dpbf16_ps(hi[r], pr, vhi);
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(o + r * D + d, lo[r]);
+    _mm512_storeu_ps(o + r * D + d + 16, hi[r]);
+  }
+}
+
+// o [M][D] (pair order) += P . V for n bfloat16 value rows read in place (D a multiple of 32),
+// eight rows at a time by each 32-dim block; `pairs` is scratch of M * 32 units.
+inline void bf16_pv(const float* s, int64_t M, int64_t s_stride, const c10::BFloat16* const* vr,
+                    int64_t n, float* o, int64_t D, uint32_t* pairs) {
+  constexpr int64_t PAIRS = 32;  // units of a row: a 64-key chunk
+  probability_pairs(s, M, s_stride, n, pairs, PAIRS);
+  for (int64_t r = 0; r < M; r += 8) {
+    const uint32_t* pr = pairs + r * PAIRS;
+    float* orow = o + r * D;
+    for (int64_t d = 0; d < D; d += 32) {
+      switch (std::min<int64_t>(8, M - r)) {
+#define EMBER_PV_ROWS(R)                              \
+  case R:                                             \
+    pv_pairs<R>(pr, PAIRS, vr, n, orow, D, d);        \
+    break;
+        EMBER_PV_ROWS(8)
+        EMBER_PV_ROWS(7)
+        EMBER_PV_ROWS(6)
+        EMBER_PV_ROWS(5)
+        EMBER_PV_ROWS(4)
+        EMBER_PV_ROWS(3)
+        EMBER_PV_ROWS(2)
+        EMBER_PV_ROWS(1)
+#undef EMBER_PV_ROWS
+      }
+    }
+  }
+}
+
+// A row of D float32 in pair order (bf16_pv) as dims in order, times `scale`, into `out`.
+inline void pair_order_to_dims(const float* o, int64_t D, float scale, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 k = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(o + d), hi = _mm512_loadu_ps(o + d + 16);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), k));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), k));
   }
 }
 

@@ -17,7 +17,7 @@
 // float16/bfloat16 K/V are converted to float32 a chunk at a time, and softmax and accumulation
 // are float32. Where the build target has AVX512-BF16, decode reads bfloat16 keys and values in
 // place instead (bf16_dot.h): scores by its dot products (pairs of bfloat16 products summed in
-// float32), values converted in registers.
+// float32), and the probabilities, rounded to bfloat16, dotted with pairs of value rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -79,7 +79,7 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   const T* query = static_cast<const T*>(p.query);
 
   // bfloat16 keys and values read in place: scores by AVX512-BF16 dot products (the query kept
-  // in bfloat16, the scale applied to the float32 dot), values converted in registers.
+  // in bfloat16, the scale applied to the float32 dot), probabilities by pairs of value rows.
   constexpr bool native_bf16 = ember_bf16::BF16_DOT && std::is_same_v<T, c10::BFloat16>;
   const bool in_place = native_bf16 && D % 32 == 0;
   w.q.resize(M * D);
@@ -89,6 +89,7 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
   w.l.assign(M, 0.f);
   if (in_place) {
     w.qb.resize(M * D);
+    w.pairs.resize(M * CHUNK / 2);
     w.kraw.resize(2 * CHUNK);
     w.vraw.resize(2 * CHUNK);
   } else {
@@ -183,7 +184,7 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
     }
 #if EMBER_BF16_DOT
     if constexpr (native_bf16) {
-      if (in_place) ember_bf16::bf16_pv(s, M, CHUNK, w.vraw.data(), n, o, D);
+      if (in_place) ember_bf16::bf16_pv(s, M, CHUNK, w.vraw.data(), n, o, D, w.pairs.data());
     }
 #endif
     // o[r] += sum_j s[r][j] * v_j: two rows by four vectors of head dims held in registers over
@@ -226,9 +227,17 @@ void attend_rows(const Params& p, const Item& it, Scratch& w) {
     T* dst = out + (p.query_start_loc[it.seq] + it.first_token + t) * p.out_stride_token +
              h * p.out_stride_head;
     const float inv = 1.f / w.l[r];
+    const float* row = o + r * D;
+#if EMBER_BF16_DOT
+    if (in_place) {  // o is in bf16_pv's pair order: back to dims in order, scaled
+      ember_bf16::pair_order_to_dims(row, D, inv, w.q.data());
+      for (int64_t d = 0; d < D; d += VW) store_as(dst + d, load(w.q.data() + d));
+      continue;
+    }
+#endif
     int64_t d = 0;
-    for (; d < Dv; d += VW) store_as(dst + d, load(o + r * D + d) * inv);
-    for (; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
+    for (; d < Dv; d += VW) store_as(dst + d, load(row + d) * inv);
+    for (; d < D; ++d) dst[d] = static_cast<T>(row[d] * inv);
   }
 }
 

@@ -48,6 +48,7 @@ struct Scratch {
   std::vector<float> q, s, o, m, l, pos, kconv, vconv;
   std::vector<const float*> krows, vrows;
   std::vector<c10::BFloat16> qb;
+  std::vector<uint32_t> pairs;  // bfloat16 probability pairs of the decode PV product
   std::vector<const c10::BFloat16*> kraw, vraw, ahead;
 };
 
