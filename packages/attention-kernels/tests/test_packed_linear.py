@@ -138,3 +138,27 @@ def test_packed_bfloat16_rows_of_a_decode_step(tokens, in_features, out_features
         linear(odd.contiguous(), packed, b).double(),
     )
     torch.testing.assert_close(got_odd, got_copy, rtol=1e-2, atol=5e-2, msg=f"seed {seed}")
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="no compiled kernels here")
+def test_decode_batch_groups_are_each_written_once_whichever_thread_takes_them():
+    """Above 4 rows each thread takes the front of its share of 64-channel groups, and one that
+    is done takes groups from the back of another's: with more threads than cores (threads the
+    OS deschedules mid-matmul, whose groups others take) every output equals the one-thread
+    result, bit for bit, call after call."""
+    gen, seed = fresh_generator()
+    dtype = torch.bfloat16 if has_bf16_arithmetic() else torch.float32
+    weight = torch.randn(9728, 896, generator=gen).to(dtype)
+    x = torch.randn(32, 896, generator=gen).to(dtype)
+    packed = pack_linear_weight(weight)
+    if not cpu_ops.packed_gemv_applies(x, packed, None):
+        pytest.skip("no streaming kernel for this dtype on this CPU")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_ops.packed_linear(x, packed, None)
+        torch.set_num_threads(3 * max(2, threads))
+        for _ in range(20):
+            assert torch.equal(cpu_ops.packed_linear(x, packed, None), alone), f"seed {seed}"
+    finally:
+        torch.set_num_threads(threads)

@@ -64,6 +64,7 @@ HEADERS = [
         "int8_gemv.h",
         "amx_gemm.h",
         "packed_layout.h",
+        "group_shares.h",
     )
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -3,7 +3,8 @@
 // weight once, so it runs at the speed memory streams the weight in. oneDNN's matmul reached
 // 0.5-0.8 of a summing loop's read bandwidth at one row, and below its large-batch rate at 8-32
 // rows (benchmarks/bench_packed_gemv.py); here each thread streams its equal share of blocks one
-// after another, straight from the packed bytes (no second copy), with AVX512-BF16 dot products
+// after another (above 4 rows, a thread done early takes groups from the back of another's share:
+// group_shares.h), straight from the packed bytes (no second copy), with AVX512-BF16 dot products
 // (bfloat16) or AVX-512 multiply-adds (float32) into float32, a block's rows in register tiles
 // while its weights are in cache.
 //
@@ -26,6 +27,7 @@
 #include <c10/util/Exception.h>
 
 #include "amx_gemm.h"
+#include "group_shares.h"
 #include "kernels.h"
 #include "packed_layout.h"
 #include "vec.h"
@@ -186,47 +188,68 @@ void group_tile(int64_t group, int64_t group_end, const uint32_t* x, int64_t x_s
                           prefetch_step);
 }
 
-// Blocks [begin, end) for any number of rows: each 64 channels' rows in tiles of at most
-// ROW_TILE (what the registers hold beside the four weight vectors), so the first tile streams
-// the weights in from memory and the others read them again from cache.
+// One group of 64 channels (blocks [group, group_end)) for any number of rows, in tiles of at
+// most ROW_TILE rows (what the registers hold beside the four weight vectors), so the first tile
+// streams the weights in from memory and the others read them again from cache. The whole tiles
+// after the first read the group from cache; meanwhile each asks for a quarter of `next` (the
+// group the thread takes next, or null) in L2, a line per unit of input, so that at a decode
+// batch's rows no tile waits on memory. A ragged tile is already bound by cache reads.
 template <typename A, int W, int ROW_TILE>
-void gemm_range(int64_t begin, int64_t end, int64_t rows, const uint32_t* x, int64_t x_stride,
-                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
-                int64_t y_stride) {
+void gemm_group(int64_t group, int64_t group_end, int64_t rows, const uint32_t* x,
+                int64_t x_stride, const uint32_t* w, int64_t units, const typename A::T* bias,
+                typename A::T* y, int64_t y_stride, const char* next) {
   constexpr int G = 64 / W;
-  const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-  // The whole tiles after the first read the group from cache; meanwhile each asks for the next
-  // group's bytes in L2, a line per unit of input (a quarter of the group), so that at a decode
-  // batch's rows no tile waits on memory. A ragged tile is already bound by cache reads.
-  const int64_t group_bytes = int64_t{64} * units * 4;
   constexpr int64_t step = 64;
-  for (int64_t group = begin; group < end; group += G) {
-    const int64_t group_end = std::min<int64_t>(group + G, end);
-    const char* next = reinterpret_cast<const char*>(w + group_end * W * units);
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t row = tile * ROW_TILE;
-      const uint32_t* xr = x + row * x_stride;
-      typename A::T* yr = y + row * y_stride;
-      const int64_t from = (tile - 1) * units * step;
-      const bool ahead =
-          tile > 0 && rows - row >= ROW_TILE && group_end < end && from < group_bytes;
-      const char* pf = ahead ? next + from : nullptr;
-      const int64_t pf_step = ahead ? step : 0;
-      switch (std::min<int64_t>(ROW_TILE, rows - row)) {
+  const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+  const int64_t group_bytes = int64_t{64} * units * 4;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t row = tile * ROW_TILE;
+    const uint32_t* xr = x + row * x_stride;
+    typename A::T* yr = y + row * y_stride;
+    const int64_t from = (tile - 1) * units * step;
+    const bool ahead = next != nullptr && tile > 0 && rows - row >= ROW_TILE && from < group_bytes;
+    const char* pf = ahead ? next + from : nullptr;
+    const int64_t pf_step = ahead ? step : 0;
+    switch (std::min<int64_t>(ROW_TILE, rows - row)) {
 #define EMBER_ROW_TILE(R)                                                                       \
   group_tile<A, W, R, G>(group, group_end, xr, x_stride, w, units, bias, yr, y_stride, pf, \
                          pf_step);                                                              \
   break;
-        case 1: EMBER_ROW_TILE(1)
-        case 2: EMBER_ROW_TILE(2)
-        case 3: EMBER_ROW_TILE(3)
-        case 4: EMBER_ROW_TILE(4)
-        case 5: EMBER_ROW_TILE(5)
-        default: EMBER_ROW_TILE(ROW_TILE)
+      case 1: EMBER_ROW_TILE(1)
+      case 2: EMBER_ROW_TILE(2)
+      case 3: EMBER_ROW_TILE(3)
+      case 4: EMBER_ROW_TILE(4)
+      case 5: EMBER_ROW_TILE(5)
+      default: EMBER_ROW_TILE(ROW_TILE)
 #undef EMBER_ROW_TILE
-      }
     }
   }
+}
+
+// All blocks of a step above 4 rows, groups of 64 channels shared out as GroupShares says.
+template <typename A, int W, int ROW_TILE>
+void gemm_shared(int64_t blocks, int64_t rows, const uint32_t* x, int64_t x_stride,
+                 const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
+                 int64_t y_stride) {
+  constexpr int G = 64 / W;
+  const int64_t groups = (blocks + G - 1) / G;
+  ember_shares::GroupShares shares(groups, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
+  const auto run = [&](int64_t group, int64_t after) {
+    const int64_t first = group * G, last = std::min<int64_t>(first + G, blocks);
+    const char* next =
+        after < 0 ? nullptr : reinterpret_cast<const char*>(w + after * G * W * units);
+    gemm_group<A, W, ROW_TILE>(first, last, rows, x, x_stride, w, units, bias, y, y_stride, next);
+  };
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t group, after;
+      while (shares.take_front(t, group, after)) run(group, after);
+      for (int64_t k = 1; k < shares.threads(); ++k) {
+        const int64_t other = (t + k) % shares.threads();
+        while (shares.take_back(other, group)) run(group, -1);
+      }
+    }
+  });
 }
 
 // y [M, N] = x [M, K] w^T + bias for w in the blocked layout of width W.
@@ -238,6 +261,10 @@ at::Tensor blocked_gemv(const at::Tensor& x, const uint32_t* w, int64_t N, int64
   const auto* xs = static_cast<const uint32_t*>(x.data_ptr());
   const int64_t x_stride = x.stride(0) / A::PER_UNIT;
   auto* out = static_cast<typename A::T*>(y.data_ptr());
+  if (M > 4) {
+    gemm_shared<A, W, GEMM_ROW_TILE>(N / W, M, xs, x_stride, w, units, b, out, N);
+    return y;
+  }
   // Equal shares of blocks, so both threads finish together (the head's 2,374 blocks of 64, a
   // down projection's 14).
   at::parallel_for(0, N / W, 1, [&](int64_t begin, int64_t end) {
@@ -245,10 +272,7 @@ at::Tensor blocked_gemv(const at::Tensor& x, const uint32_t* w, int64_t N, int64
       case 1: gemv_range<A, W, 1>(begin, end, xs, x_stride, w, units, b, out, N); break;
       case 2: gemv_range<A, W, 2>(begin, end, xs, x_stride, w, units, b, out, N); break;
       case 3: gemv_range<A, W, 3>(begin, end, xs, x_stride, w, units, b, out, N); break;
-      case 4: gemv_range<A, W, 4>(begin, end, xs, x_stride, w, units, b, out, N); break;
-      default:
-        gemm_range<A, W, GEMM_ROW_TILE>(begin, end, M, xs, x_stride, w, units, b, out, N);
-        break;
+      default: gemv_range<A, W, 4>(begin, end, xs, x_stride, w, units, b, out, N); break;
     }
   });
   return y;
