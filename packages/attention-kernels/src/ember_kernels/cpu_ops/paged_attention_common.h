@@ -49,7 +49,7 @@ struct Scratch {
   std::vector<const float*> krows, vrows;
   std::vector<c10::BFloat16> qb;
   std::vector<uint32_t> pairs;  // bfloat16 probability pairs of the decode PV product
-  std::vector<const c10::BFloat16*> kraw, vraw, ahead;
+  std::vector<const c10::BFloat16*> kraw, vraw, ahead, after_rows;
 };
 
 template <typename T>
