@@ -1,8 +1,9 @@
 // Paged attention's decode inner loops on bfloat16 K/V read in place (see paged_attention.cpp):
 // the scores of bfloat16 queries against bfloat16 keys by AVX512-BF16 dot products (pairs of
 // bfloat16 products summed into float32 lanes), and the probabilities, rounded to bfloat16,
-// dotted with two value rows at a time (bf16_pv). Compiled only where the build target has AVX512-BF16 (the build
-// is per CPU: see build.py); ``BF16_DOT`` (and the macro ``EMBER_BF16_DOT``) says whether it was.
+// dotted with two value rows at a time (bf16_pv). Compiled only where the build target has
+// AVX512-BF16 (the build is per CPU: see build.py); ``BF16_DOT`` (and the macro
+// ``EMBER_BF16_DOT``) says whether it was.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -137,8 +138,8 @@ inline void probability_pairs(const float* s, int64_t M, int64_t s_stride, int64
 }
 
 // o[r][pair order] += sum over key pairs of (p_r,2k, p_r,2k+1) . (v_2k, v_2k+1) for R rows, one
-// 32-dim block of each value row at `d`, np key pairs (the second row of a last odd key repeats
-// the first: its probability is the zero padding).
+// 32-dim block of each of the n value rows at `d` (an odd n's last pair repeats its row: its
+// second probability is the zero padding).
 template <int R>
 inline void pv_pairs(const uint32_t* pairs, int64_t pairs_stride,
                      const c10::BFloat16* const* vr, int64_t n, float* o, int64_t D, int64_t d) {

@@ -233,7 +233,8 @@ void gemm_shared(int64_t blocks, int64_t rows, const uint32_t* x, int64_t x_stri
                  int64_t y_stride) {
   constexpr int G = 64 / W;
   const int64_t groups = (blocks + G - 1) / G;
-  ember_shares::GroupShares shares(groups, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups)));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  ember_shares::GroupShares shares(groups, threads);
   const auto run = [&](int64_t group, int64_t after) {
     const int64_t first = group * G, last = std::min<int64_t>(first + G, blocks);
     const char* next =
