@@ -121,8 +121,9 @@ inline void bf16_dot_scores(const c10::BFloat16* q, int64_t M, int64_t D,
 // of each sixteen. The accumulator ``o`` stays in that order over an item (the softmax only
 // scales it); pair_order_to_dims puts it back as it is stored.
 
-// Each row's n float32 probabilities (n <= 64) as bfloat16 pairs of consecutive keys, a pair per
-// 32-bit unit, an odd key count padded with a zero probability.
+// Each row's n float32 probabilities as bfloat16 pairs of consecutive keys, a pair per 32-bit
+// unit, an odd key count padded with a zero probability (rows of `pairs_stride` units, n / 2
+// rounded up to a multiple of 16 at least).
 inline void probability_pairs(const float* s, int64_t M, int64_t s_stride, int64_t n,
                               uint32_t* pairs, int64_t pairs_stride) {
   for (int64_t r = 0; r < M; ++r) {
@@ -165,20 +166,21 @@ inline void pv_pairs(const uint32_t* pairs, int64_t pairs_stride,
   }
 }
 
-// o [M][D] (pair order) += P . V for n bfloat16 value rows read in place (D a multiple of 32),
-// eight rows at a time by each 32-dim block; `pairs` is scratch of M * 32 units.
+// o [M][D] (pair order) += P . V for n bfloat16 value rows read in place (D a multiple of 32,
+// n <= s_stride, an even s_stride), eight rows at a time by each 32-dim block; `pairs` is scratch
+// of M * s_stride / 2 units.
 inline void bf16_pv(const float* s, int64_t M, int64_t s_stride, const c10::BFloat16* const* vr,
                     int64_t n, float* o, int64_t D, uint32_t* pairs) {
-  constexpr int64_t PAIRS = 32;  // units of a row: a 64-key chunk
-  probability_pairs(s, M, s_stride, n, pairs, PAIRS);
+  const int64_t pair_units = s_stride / 2;  // units of a row of pairs
+  probability_pairs(s, M, s_stride, n, pairs, pair_units);
   for (int64_t r = 0; r < M; r += 8) {
-    const uint32_t* pr = pairs + r * PAIRS;
+    const uint32_t* pr = pairs + r * pair_units;
     float* orow = o + r * D;
     for (int64_t d = 0; d < D; d += 32) {
       switch (std::min<int64_t>(8, M - r)) {
 #define EMBER_PV_ROWS(R)                              \
   case R:                                             \
-    pv_pairs<R>(pr, PAIRS, vr, n, orow, D, d);        \
+    pv_pairs<R>(pr, pair_units, vr, n, orow, D, d);   \
     break;
         EMBER_PV_ROWS(8)
         EMBER_PV_ROWS(7)

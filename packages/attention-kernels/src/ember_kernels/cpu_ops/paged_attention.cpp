@@ -44,8 +44,6 @@ namespace {
 
 using namespace ember_paged;
 
-// Decode layout: few rows (one token's heads of the group), vectorized over head_size.
-// q: [M][D], s: [M][CHUNK], o: [M][D].
 // The keys an item's rows see: [first, end), the window's start to its last token's position.
 std::pair<int64_t, int64_t> item_keys(const Params& p, const Item& it) {
   const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
@@ -58,8 +56,8 @@ std::pair<int64_t, int64_t> item_keys(const Params& p, const Item& it) {
 // bfloat16 rows of keys [k0, k0 + n) and of the next chunk's keys, with the rows their scores
 // pass asks for ahead (bf16_dot_scores): in an item's first chunk its own keys past the first
 // eight and its values, always the next chunk's keys and values, and in its last chunk the first
-// chunk's keys and values of the item the thread runs next (`after`, if any): asked for as the
-// item starts, they come too late for its first keys (8% slower with the KV out of the caches).
+// chunk's keys and values of the item the thread runs next (`after`, if any): asked for only as
+// that item starts, they come too late for its first keys (the A/B is in the package README).
 void bf16_chunk_rows(const Params& p, const int32_t* blocks, int64_t kv_head, int64_t k0,
                      int64_t n, int64_t end, bool first_chunk, const Item* after, Scratch& w) {
   using BF = c10::BFloat16;
@@ -94,10 +92,8 @@ template <typename T>
 void attend_rows(const Params& p, const Item& it, const Item* after, Scratch& w) {
   const int64_t D = p.head_size, G = p.group, M = it.num_tokens * G;
   const int64_t Dv = D / VW * VW;
-  const int64_t seq_len = p.seq_lens[it.seq];
-  const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
-  const int64_t first_pos = seq_len - q_len + it.first_token;
-  const int64_t last_pos = first_pos + it.num_tokens - 1;
+  const auto [k_begin, key_end] = item_keys(p, it);
+  const int64_t last_pos = key_end - 1, first_pos = key_end - it.num_tokens;
   const int32_t* blocks = p.block_table + it.seq * p.bt_stride;
   const T* query = static_cast<const T*>(p.query);
 
@@ -135,7 +131,6 @@ void attend_rows(const Params& p, const Item& it, const Item* after, Scratch& w)
     for (; d < Dv; d += VW) store(w.q.data() + r * D + d, load_as_float(src + d) * p.scale);
     for (; d < D; ++d) w.q[r * D + d] = to_float(src[d]) * p.scale;
   }
-  const int64_t k_begin = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   float* q = w.q.data();
   float* s = w.s.data();
   float* o = w.o.data();
