@@ -125,3 +125,17 @@ def test_the_background_build_runs_at_a_lower_priority(monkeypatch):
     worker.join()
     assert seen == [min(19, before + build.BACKGROUND_NICE)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+@needs_compiler
+@pytest.mark.skipif(build._loaded_libstdcxx() is None, reason="no shared C++ runtime loaded")
+def test_the_library_runs_on_the_processs_own_cpp_runtime():
+    # A library that carries a static copy of the C++ runtime crashes the process the first time
+    # it formats an error message; it must name the shared runtime torch already loaded.
+    library = build._library_path()[1]
+    dynamic = subprocess.run(
+        ["readelf", "--dynamic", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "[libstdc++.so" in dynamic
+    with pytest.raises(ValueError, match="rows"):
+        cpu_ops.set_packed_gemv_max_rows(-1)

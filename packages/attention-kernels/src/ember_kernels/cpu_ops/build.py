@@ -101,11 +101,34 @@ def _compiler_version() -> str:
     return done.stdout.splitlines()[0]
 
 
+def _loaded_libstdcxx() -> str | None:
+    """The path of the C++ runtime this process already runs on (torch loads it), if any.
+
+    The library links it by path: where the compiler finds no shared ``libstdc++.so`` to link
+    (a toolchain with the static archive only), it would otherwise copy the runtime in, and that
+    second copy's locale is never set up, so formatting any error message (every refused
+    argument) crashes the process."""
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux: the platform's toolchain links its runtime as usual
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+        if len(fields) == 6 and pathlib.Path(fields[5]).name.startswith("libstdc++.so"):
+            return fields[5]
+    return None
+
+
+def _link_flags() -> list[str]:
+    runtime = _loaded_libstdcxx()
+    return ["-fopenmp", *([runtime] if runtime else [])]
+
+
 def _build_key() -> str:
     digest = hashlib.sha256()
     for part in (
         *(path.read_bytes() for path in SOURCES + HEADERS),
-        " ".join(CFLAGS).encode(),
+        " ".join(CFLAGS + _link_flags()).encode(),
         torch.__version__.encode(),
         sys.version.encode(),
         _compiler_version().encode(),
@@ -154,7 +177,7 @@ def _build(name: str, directory: pathlib.Path):
             name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=_link_flags(),
             build_directory=str(workdir),
             verbose=False,
         )
