@@ -147,20 +147,22 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t
   }
 }
 
-// Blocks [begin, end) of M rows, G blocks at a time and the rest one at a time.
+// Blocks [begin, end) of M rows, G (a power of two) blocks at a time, then the rest (fewer than
+// G) in one pass of each smaller power of two that it holds: a thread's share of a down
+// projection ends in 6 of 14 blocks, which one at a time would stream from memory in a single
+// stream each, at a fraction of the bandwidth that several side by side reach.
 template <typename A, int W, int M, int G>
 void blocks_by(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
                int64_t y_stride) {
+  static_assert((G & (G - 1)) == 0, "G: a power of two");
   int64_t block = begin;
   for (; block + G <= end; block += G) {
     gemv_blocks<A, W, M, G>(x, x_stride, w + block * W * units, units,
                             bias ? bias + block * W : nullptr, y + block * W, y_stride);
   }
-  for (; block < end; ++block) {
-    gemv_blocks<A, W, M, 1>(x, x_stride, w + block * W * units, units,
-                            bias ? bias + block * W : nullptr, y + block * W, y_stride);
-  }
+  if constexpr (G > 1) blocks_by<A, W, M, G / 2>(block, end, x, x_stride, w, units, bias, y,
+                                                 y_stride);
 }
 
 // Blocks [begin, end) of up to 4 rows: 256 channels at a time for one row, 128 for two (more
