@@ -14,6 +14,7 @@ factory (``ember_testing.tiny_models``) builds its architectures on it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.metadata
 import json
@@ -116,7 +117,9 @@ def random_model_path(
 
     from transformers import AutoConfig
 
-    model_config = AutoConfig.for_model(model_type, **{**BASE_CONFIG, **config})
+    # A deep copy: transformers fills nested dicts in place (rope_scaling gains rope_theta), which
+    # would change this module's configs, and with them every later request's note, in-process.
+    model_config = AutoConfig.for_model(model_type, **copy.deepcopy({**BASE_CONFIG, **config}))
     tokenizer = tokenizer_path()
     spec = dict(
         v=FACTORY_VERSION,
