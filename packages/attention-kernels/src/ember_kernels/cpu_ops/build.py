@@ -104,10 +104,10 @@ def _compiler_version() -> str:
 def _loaded_libstdcxx() -> str | None:
     """The path of the C++ runtime this process already runs on (torch loads it), if any.
 
-    The library links it by path: where the compiler finds no shared ``libstdc++.so`` to link
-    (a toolchain with the static archive only), it would otherwise copy the runtime in, and that
-    second copy's locale is never set up, so formatting any error message (every refused
-    argument) crashes the process."""
+    The library links it by path: a toolchain that links the C++ runtime statically (``CXX``
+    set to a compiler of its own) would otherwise copy the runtime in, and that second copy's
+    locale is never set up, so formatting any error message (every refused argument) crashes
+    the process."""
     try:
         maps = pathlib.Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: the platform's toolchain links its runtime as usual

@@ -148,9 +148,9 @@ void gemv_blocks(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t
 }
 
 // Blocks [begin, end) of M rows, G (a power of two) blocks at a time, then the rest (fewer than
-// G) in one pass of each smaller power of two that it holds: a thread's share of a down
-// projection ends in 6 of 14 blocks, which one at a time would stream from memory in a single
-// stream each, at a fraction of the bandwidth that several side by side reach.
+// G) in one pass of each smaller power of two that it holds, so that a share which is not a
+// multiple of G (two threads' 14 blocks of 32 each of an 896-channel output: 8 + 6) still reads
+// its last blocks as several streams side by side, not one stream at a time.
 template <typename A, int W, int M, int G>
 void blocks_by(int64_t begin, int64_t end, const uint32_t* x, int64_t x_stride,
                const uint32_t* w, int64_t units, const typename A::T* bias, typename A::T* y,
