@@ -28,8 +28,10 @@ per-channel weights, activations quantized per token): the LM head (tied) stays 
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16-int8,bfloat16-w8a8
     python3 packages/worker/benchmarks/bench_decode.py --dtypes bfloat16 --skip-batch1
 
-``--split`` then splits each dtype's batch-1 decode steps by phase (``step_split``): the compiled
-stack's phases, the LM head, the sampler and the rest of the step.
+The batched line is followed by its two phases: the prompts' prefill and the decode steps after
+it, each with its matmuls' GFLOP/s. ``--split`` then splits each dtype's decode steps by phase
+(``step_split``), at batch 1 and at the batch (unless skipped): the compiled stack's phases, the
+LM head, the sampler and the rest of the step.
 """
 
 from __future__ import annotations
@@ -150,6 +152,21 @@ def linear_rows(with_head: bool = True) -> int:
     return c["num_hidden_layers"] * per_layer + with_head * c["vocab_size"]
 
 
+def phase_line(first_s: float, rest_s: float, produced: int) -> str:
+    """The batched run's two phases: the prompts' prefill (to every request's first token) and
+    the decode steps after it, each with its matmuls' GFLOP/s (the head on the rows it runs)."""
+    prefill = 2 * (
+        linear_params(False) * BATCH * PROMPT + (linear_params() - linear_params(False)) * BATCH
+    )
+    steps = produced // BATCH - 1
+    decode = 2 * linear_params() * BATCH * steps
+    return (
+        f"prefill of {BATCH} x {PROMPT} tokens {first_s:.2f} s ({prefill / first_s / 1e9:.0f} "
+        f"GFLOP/s), {steps} decode steps {1e3 * rest_s / steps:.1f} ms each "
+        f"({decode / rest_s / 1e9:.0f} GFLOP/s)"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-batch1", action="store_true")
     parser.add_argument("--output", type=int, default=OUTPUT, help="tokens out per request")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--split", action="store_true", help="split batch-1 steps by phase")
+    parser.add_argument("--split", action="store_true", help="split decode steps by phase")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     engines = {name: make_engine(name, args.threads) for name in dtypes}
@@ -195,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             flops = 2 * linear_params() * (produced + BATCH * (PROMPT - 1)) / total
             print(f"batch {BATCH} {name:14} {produced / total:7.1f} out tok/s  "
                   + batched_roofline(flops, peaks[activation[name]]), flush=True)  # fmt: skip
+            print("  " + phase_line(first_s, rest_s, produced), flush=True)
     triad, read = probe.sample()
     print(f"after the rounds: triad {triad / 1e9:.1f} GB/s, read {read / 1e9:.1f} GB/s")
     print(
@@ -211,12 +229,12 @@ def main(argv: list[str] | None = None) -> None:
         if quantized:
             print(f"split: {name} skipped (the weight bytes counted here are the dtype's)")
             continue
-        element = getattr(torch, dtype).itemsize
-        head = QWEN_05B["vocab_size"] * QWEN_05B["hidden_size"] * element
-        lines = split_decode_steps(
-            core, prompts(1, 7)[0], args.output, linear_params(with_head=False) * element, head
-        )
-        print(f"{name}:", *lines, sep="\n")
+        weights = linear_params(with_head=False), QWEN_05B["vocab_size"] * QWEN_05B["hidden_size"]
+        for batch in [1] * (not args.skip_batch1) + [BATCH] * (not args.skip_batched):
+            lines = split_decode_steps(
+                core, prompts(batch, 7), args.output, *weights, getattr(torch, dtype).itemsize
+            )
+            print(f"{name}:", *lines, sep="\n")
 
 
 if __name__ == "__main__":

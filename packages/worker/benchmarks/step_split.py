@@ -1,7 +1,8 @@
-"""Where a batch-1 decode step's time goes: the compiled decoder stack's phases
-(``DecoderStack.set_timed``), the LM head, the sampler and the rest of the step (scheduler,
-inputs, outputs, Python), each in ms per step and as a share of it, beside the GB/s the stack's
-and the head's weights stream at (used by ``bench_decode.py --split``)."""
+"""Where a decode step's time goes, at batch 1 or a batch of requests decoding together: the
+compiled decoder stack's phases (``DecoderStack.set_timed``), the LM head, the sampler and the
+rest of the step (scheduler, inputs, outputs, Python), each in ms per step and as a share of it,
+beside the GB/s the stack's and the head's weights stream at and the GFLOP/s their matmuls run at
+(used by ``bench_decode.py --split``)."""
 
 from __future__ import annotations
 
@@ -34,18 +35,27 @@ class _Timed:
 
 
 def split_decode_steps(
-    core: EngineCore, prompt: list[int], steps: int, stack_bytes: float, head_bytes: float
+    core: EngineCore,
+    batch: list[list[int]],
+    steps: int,
+    stack_params: int,
+    head_params: int,
+    element: int,
 ) -> list[str]:
-    """Lines of the split of ``steps`` greedy decode steps of one request (after its prefill),
-    given the bytes the stack's and the head's weights hold. Raises ValueError where the model
-    runs no compiled stack (nothing to split)."""
+    """Lines of the split of ``steps`` greedy decode steps of the requests of ``batch`` (after
+    every prompt's prefill), given the weights of the stack's and the head's matmuls and the
+    bytes of a weight (``element``). Raises ValueError where the model runs no compiled stack
+    (nothing to split)."""
     runner = core.executor.model_runner
     stack = getattr(runner.model.model, "_cpu_stack", None)
     if stack is None:
         raise ValueError("split: this engine runs no compiled decoder stack")
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    core.add_request(EngineCoreRequest("split", prompt, params))
-    core.step()  # the prefill
+    for i, prompt in enumerate(batch):
+        core.add_request(EngineCoreRequest(f"split-{i}", prompt, params))
+    first = 0
+    while first < len(batch):  # the prefills, to every request's first token
+        first += sum(len(o.new_token_ids) for o in core.step().outputs)
     timed = [_Timed(runner.model, "forward"), _Timed(runner.model, "compute_logits")]
     timed.append(_Timed(runner, "sampler"))
     stack.set_timed(True)
@@ -60,22 +70,28 @@ def split_decode_steps(
     forward, head, sampler = (t.seconds for t in timed)
     phases = stack.phase_seconds()
     in_stack = sum(seconds for _, seconds in phases)
-    rows = [(f"stack: {name}", seconds) for name, seconds in phases]
-    rows += [
+    parts = [(f"stack: {name}", seconds) for name, seconds in phases]
+    parts += [
         ("forward outside the stack (embedding, final norm, Python)", forward - in_stack),
         ("LM head", head),
         ("sampler", sampler),
         ("rest of the step (scheduler, inputs, outputs)", total - forward - head - sampler),
     ]
-    lines = [f"split of {count} decode steps: {1e3 * total / count:.2f} ms per step"]
+    lines = [
+        f"split of {count} decode steps of {len(batch)} request(s): "
+        f"{1e3 * total / count:.2f} ms per step"
+    ]
     lines += [
         f"  {name:58} {1e3 * seconds / count:7.3f} ms  {100 * seconds / total:5.1f}%"
-        for name, seconds in rows
+        for name, seconds in parts
     ]
     matmuls = sum(s for n, s in phases if n in ("qkv", "o_proj", "gate_up", "down"))
+    rows = len(batch)
     lines.append(
-        f"  stack matmuls stream at {stack_bytes * count / matmuls / 1e9:.1f} GB/s, the LM head "
-        f"at {head_bytes * count / head / 1e9:.1f} GB/s; outside the weight streaming: "
+        f"  stack matmuls stream at {stack_params * element * count / matmuls / 1e9:.1f} GB/s "
+        f"({2 * stack_params * rows * count / matmuls / 1e9:.0f} GFLOP/s), the LM head at "
+        f"{head_params * element * count / head / 1e9:.1f} GB/s "
+        f"({2 * head_params * rows * count / head / 1e9:.0f} GFLOP/s); outside the matmuls: "
         f"{100 * (total - matmuls - head) / total:.1f}% of the step"
     )
     return lines
