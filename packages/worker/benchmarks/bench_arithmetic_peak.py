@@ -33,11 +33,11 @@ import tempfile
 import time
 
 import torch
+from bench_decode import linear_params
 
 from ember_kernels import cpu_features, cpu_ops
 from ember_kernels.packed_linear import pack_linear_weight
 from ember_testing.roofline import matmul_peak
-from ember_testing.tiny_models import QWEN_05B_CONFIG
 
 # 12 independent accumulators, unrolled so that they live in registers, hide the multiply-add
 # latency on every AVX-512 core we know of; the asm barrier keeps the compiler from folding it.
@@ -125,11 +125,8 @@ def kernel_rate(shape: tuple[int, int], copies: int, rows: int, repeats: int = 7
 def fixed_workload_flops(prompts: int = 32, prompt: int = 64, output: int = 128) -> float:
     """Matmul FLOPs of ``prompts`` requests of ``prompt`` tokens and ``output`` out each on the
     Qwen2.5-0.5B shape (as the peer benchmark's ``matmul_share`` counts them)."""
-    c = QWEN_05B_CONFIG
-    hidden, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
-    head_dim = hidden // heads
-    per_layer = hidden * head_dim * (2 * heads + 2 * c["num_key_value_heads"]) + 3 * hidden * inter
-    layers, head = c["num_hidden_layers"] * per_layer, c["vocab_size"] * hidden
+    layers = linear_params(with_head=False)
+    head = linear_params() - layers
     return 2 * prompts * (layers * (prompt + output - 1) + head * output)
 
 
