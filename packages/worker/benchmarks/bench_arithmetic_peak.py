@@ -18,6 +18,11 @@ in cache.
   prompts of 64 tokens, 128 out each) holds a fixed number of matmul FLOPs (every prompt token
   and every output token but the last through the layers, every output token through the LM
   head); at the bfloat16 instruction peak no engine runs it faster than the printed out tok/s.
+- the bound memory sets, on every CPU (on one with AMX, the one that binds): each of the
+  workload's steps (the prefill and every decode step but the last token's) reads every bfloat16
+  weight once, so at the best read rate measured here (a triad's, or Ember's one-row kernel
+  streaming copies of the gate/up weight, whichever is faster) no engine runs it faster than
+  the printed out tok/s.
 
     python3 packages/worker/benchmarks/bench_arithmetic_peak.py [--threads 2]
 """
@@ -33,11 +38,11 @@ import tempfile
 import time
 
 import torch
-from bench_decode import linear_params
+from bench_decode import linear_params, workload_flops
 
 from ember_kernels import cpu_features, cpu_ops
 from ember_kernels.packed_linear import pack_linear_weight
-from ember_testing.roofline import matmul_peak
+from ember_testing.roofline import matmul_peak, triad_bandwidth
 
 # 12 independent accumulators, unrolled so that they live in registers, hide the multiply-add
 # latency on every AVX-512 core we know of; the asm barrier keeps the compiler from folding it.
@@ -122,12 +127,11 @@ def kernel_rate(shape: tuple[int, int], copies: int, rows: int, repeats: int = 7
     return 2 * n * k * rows / best
 
 
-def fixed_workload_flops(prompts: int = 32, prompt: int = 64, output: int = 128) -> float:
-    """Matmul FLOPs of ``prompts`` requests of ``prompt`` tokens and ``output`` out each on the
-    Qwen2.5-0.5B shape (as the peer benchmark's ``matmul_share`` counts them)."""
-    layers = linear_params(with_head=False)
-    head = linear_params() - layers
-    return 2 * prompts * (layers * (prompt + output - 1) + head * output)
+def memory_bound(bandwidth: float, prompts: int = 32, output: int = 128) -> float:
+    """Out tok/s of ``prompts`` requests of ``output`` tokens out each when each of their
+    ``output`` steps (one prefill, then decode steps) reads every bfloat16 weight of the
+    Qwen2.5-0.5B shape once at ``bandwidth`` bytes/s and does nothing else."""
+    return prompts * output * bandwidth / (output * 2 * linear_params())
 
 
 def main() -> None:
@@ -163,8 +167,14 @@ def main() -> None:
         rate = kernel_rate(shape, copies, rows=32)
         share = f" ({100 * rate / bf16_peak:.0f}% of the instruction peak)" if bf16_peak else ""
         print(f"Ember, bfloat16, 32 rows, {label}: {rate / 1e9:.0f} GFLOP/s{share}")
+    one_row = kernel_rate((9728, 896), gate_up_copies, rows=1)  # FLOP/s = bytes/s at one row
+    triad = triad_bandwidth()
+    print(f"bound from memory: each of the offline fixed workload's 128 steps reads "
+          f"{2 * linear_params() / 1e9:.2f} GB of bfloat16 weights; at the best read rate here "
+          f"({max(triad, one_row) / 1e9:.1f} GB/s: triad {triad / 1e9:.1f}, Ember's one-row "
+          f"kernel {one_row / 1e9:.1f}) at most {memory_bound(max(triad, one_row)):.0f} out tok/s")  # fmt: skip
     if bf16_peak:
-        flops = fixed_workload_flops()
+        flops = workload_flops(32, 64, 32 * 128)
         print(f"bound: the offline fixed workload (Qwen2.5-0.5B shape, 32 x 64 -> 128) holds "
               f"{flops / 1e12:.2f} TFLOP of matmuls; at the bfloat16 instruction peak at most "
               f"{32 * 128 * bf16_peak / flops:.0f} out tok/s")  # fmt: skip
