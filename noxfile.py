@@ -78,6 +78,18 @@ def _pin_local_cpu_torch(session: nox.Session) -> None:
     session.env["UV_CONSTRAINT"] = str(constraints)
 
 
+def _write_bytecode(session: nox.Session) -> None:
+    """Let the session's Python processes write the bytecode they compile.
+
+    uv installs without compiling, and an environment with ``PYTHONDONTWRITEBYTECODE`` set (some
+    machines set it) made every process compile torch, transformers and the rest from source at
+    each import, for every engine process, rank and test run started (the CI figures are in
+    README.md). An empty value turns the setting off; the files go to ``__pycache__`` folders,
+    which git ignores.
+    """
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
+
+
 def _editable(folders: list[str]) -> list[str]:
     """``-e`` arguments for package folders, with the extras their tests exercise."""
     return [a for f in folders for a in ("-e", f"{PACKAGES_DIR / f}{TEST_EXTRAS.get(f, '')}")]
@@ -85,6 +97,7 @@ def _editable(folders: list[str]) -> list[str]:
 
 def _install_package(session: nox.Session, package: str) -> None:
     _pin_local_cpu_torch(session)
+    _write_bytecode(session)
     folder = PACKAGES_DIR / package
     groups = nox.project.dependency_groups(_pyproject(folder), "test")
     packages = [package]
@@ -154,6 +167,7 @@ def benchmarks(session: nox.Session, package: str) -> None:
 
 def _install_stack(session: nox.Session) -> None:
     _pin_local_cpu_torch(session)
+    _write_bytecode(session)
     editable = _editable(PACKAGES)
     groups = nox.project.dependency_groups(_pyproject(ROOT), "test")
     session.install(*editable, "-e", str(ROOT), "-e", str(TESTING), *groups)
