@@ -38,7 +38,7 @@ import tempfile
 import time
 
 import torch
-from bench_decode import linear_params, workload_flops
+from bench_decode import BATCH, OUTPUT, PROMPT, linear_params, workload_flops
 
 from ember_kernels import cpu_features, cpu_ops
 from ember_kernels.packed_linear import pack_linear_weight
@@ -127,11 +127,11 @@ def kernel_rate(shape: tuple[int, int], copies: int, rows: int, repeats: int = 7
     return 2 * n * k * rows / best
 
 
-def memory_bound(bandwidth: float, prompts: int = 32, output: int = 128) -> float:
-    """Out tok/s of ``prompts`` requests of ``output`` tokens out each when each of their
-    ``output`` steps (one prefill, then decode steps) reads every bfloat16 weight of the
+def memory_bound(bandwidth: float, prompts: int = BATCH) -> float:
+    """Out tok/s of ``prompts`` requests decoding together when each step (one prefill, then
+    decode steps, each giving every request a token) reads every bfloat16 weight of the
     Qwen2.5-0.5B shape once at ``bandwidth`` bytes/s and does nothing else."""
-    return prompts * output * bandwidth / (output * 2 * linear_params())
+    return prompts * bandwidth / (2 * linear_params())
 
 
 def main() -> None:
@@ -169,15 +169,16 @@ def main() -> None:
         print(f"Ember, bfloat16, 32 rows, {label}: {rate / 1e9:.0f} GFLOP/s{share}")
     one_row = kernel_rate((9728, 896), gate_up_copies, rows=1)  # FLOP/s = bytes/s at one row
     triad = triad_bandwidth()
-    print(f"bound from memory: each of the offline fixed workload's 128 steps reads "
+    print(f"bound from memory: each of the offline fixed workload's {OUTPUT} steps reads "
           f"{2 * linear_params() / 1e9:.2f} GB of bfloat16 weights; at the best read rate here "
           f"({max(triad, one_row) / 1e9:.1f} GB/s: triad {triad / 1e9:.1f}, Ember's one-row "
           f"kernel {one_row / 1e9:.1f}) at most {memory_bound(max(triad, one_row)):.0f} out tok/s")  # fmt: skip
     if bf16_peak:
-        flops = workload_flops(32, 64, 32 * 128)
-        print(f"bound: the offline fixed workload (Qwen2.5-0.5B shape, 32 x 64 -> 128) holds "
-              f"{flops / 1e12:.2f} TFLOP of matmuls; at the bfloat16 instruction peak at most "
-              f"{32 * 128 * bf16_peak / flops:.0f} out tok/s")  # fmt: skip
+        produced = BATCH * OUTPUT
+        flops = workload_flops(BATCH, PROMPT, produced)
+        print(f"bound: the offline fixed workload (Qwen2.5-0.5B shape, {BATCH} x {PROMPT} -> "
+              f"{OUTPUT}) holds {flops / 1e12:.2f} TFLOP of matmuls; at the bfloat16 instruction "
+              f"peak at most {produced * bf16_peak / flops:.0f} out tok/s")  # fmt: skip
 
 
 if __name__ == "__main__":

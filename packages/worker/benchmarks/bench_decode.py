@@ -13,7 +13,8 @@ take turns (``--rounds``), so both see the same load; the engine runs with every
   every round and after the last (``roofline.BandwidthProbe``), and the summary measures each
   dtype's best round against the best triad of the whole run (and shows the best read beside);
 - batched: 32 prompts of 64 tokens, 128 out each; output tokens/s and the matmuls' GFLOP/s
-  (2 x linear parameters per token, prompt tokens included) against the matmul library's peak
+  (``workload_flops``: the layers on every prompt token and every produced token but each
+  request's last, the LM head on produced tokens only) against the matmul library's peak
   at that dtype, sampled before every round as the bandwidths are (the best so far divides).
 
 A ``--dtypes`` entry ``bfloat16-int8`` (or ``float32-int8``) runs that dtype with
